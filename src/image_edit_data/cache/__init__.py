@@ -1,0 +1,1 @@
+"""Building, validating and inspecting image-edit caches."""
