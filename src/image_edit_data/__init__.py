@@ -1,0 +1,25 @@
+"""image-edit-data: cached instruction-based image-edit data for diffusion training in Lightning.
+
+The data path: a cache (metadata.json + JSON shards + one payload per sample) is opened into a
+compact columnar index (`index`); `ImageEditDataset` loads and validates payloads; a bucket
+batch sampler plans each epoch so every batch holds one compound shape signature and every rank
+gets the same number of batches; `collate_image_edit` stacks a batch; `ImageEditDataModule`
+wires it all into Lightning with exact resume.
+"""
+
+from .collate import collate_image_edit
+from .dataset import ImageEditDataset, ImageEditDatasetConfig
+from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
+from .sampler import BucketBatchSampler, ResumeMismatchError
+from .validate import CacheFormatError
+
+__all__ = [
+    "BucketBatchSampler",
+    "CacheFormatError",
+    "DiffusionDataloaderBuild",
+    "ImageEditDataloaderConfig",
+    "ImageEditDataset",
+    "ImageEditDatasetConfig",
+    "ResumeMismatchError",
+    "collate_image_edit",
+]

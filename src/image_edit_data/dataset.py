@@ -1,0 +1,73 @@
+"""`ImageEditDataset`: a cache index plus per-sample payload loading and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from . import validate
+from .buckets import Signature
+from .index import CacheIndex, load_index
+from .payload import load_payload
+
+
+class ImageEditDataset(Dataset):
+    """Samples of a cached image-edit data set, in index order.
+
+    `dataset[i]` loads payload `i` (weights-only), checks it against the contract and its index
+    record, and returns the sample dict: `target_latent`, `context_latents`, `prompt_embeddings`,
+    `prompt_attention_mask`, `conditioning_tensors`, `metadata`, plus `sample_index` (= `i`).
+    """
+
+    def __init__(self, cache_dir: str | Path, quantization: int = 64) -> None:
+        if isinstance(quantization, bool) or not isinstance(quantization, int) or quantization <= 0:
+            raise ValueError(f"quantization must be a positive integer, got {quantization!r}")
+        self.cache_dir = Path(cache_dir)
+        self.quantization = quantization
+        self.index: CacheIndex = load_index(cache_dir)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        if not -len(self) <= idx < len(self):
+            raise IndexError(f"sample index {idx} is out of range for a cache of {len(self)} samples")
+        idx = int(idx) % len(self)
+        relative = self.index.relative_path(idx)
+        raw = load_payload(self.index.payload_path(idx), relative)
+        sample = validate.payload(raw, self.index.signature(idx), relative, self.index.source_revision)
+        sample["sample_index"] = idx
+        return sample
+
+    @property
+    def signatures(self) -> tuple[Signature, ...]:
+        """Bucket id -> compound signature."""
+        return self.index.signatures
+
+    @property
+    def cache_manifest(self) -> dict[str, Any]:
+        """The cache's metadata.json, untouched."""
+        return dict(self.index.manifest)
+
+    def get_bucket_info(self) -> dict[str, Any]:
+        """Bucket count and sample count per compound signature (`target=CxHxW/contexts=[...]`)."""
+        sizes = self.index.bucket_sizes()
+        buckets = {sig.describe(): int(n) for sig, n in zip(self.index.signatures, sizes)}
+        return {"total_buckets": len(buckets), "buckets": buckets}
+
+
+@dataclass
+class ImageEditDatasetConfig:
+    """Construction-time configuration for `ImageEditDataset`."""
+
+    cache_dir: str
+    """Directory holding metadata.json, its shards and the payloads."""
+    quantization: int = 64
+    """Pixel quantization used by the dynamic batch size."""
+
+    def build(self) -> ImageEditDataset:
+        """Open the configured cache."""
+        return ImageEditDataset(cache_dir=self.cache_dir, quantization=self.quantization)

@@ -1,0 +1,199 @@
+"""Open a cache: metadata.json + JSON shards -> a compact columnar index.
+
+The index keeps per sample only what sampling and loading need, in numpy arrays: the payload
+path (one byte blob plus offsets), the bucket id and the token counts. That is ~50 bytes per
+sample instead of a Python dict per record, and it is shared by forked workers without
+copy-on-write growth because no Python objects per sample exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import validate
+from .buckets import Signature, sort_key
+from .paths import contained, resolve_inside
+from .validate import fail
+
+MANIFEST = "metadata.json"
+UNKNOWN = -1  # token count not stored in the index record
+
+
+@dataclass(frozen=True, eq=False)
+class CacheIndex:
+    """Every sample of a cache, by position: payload path, bucket and token counts."""
+
+    root: Path
+    manifest: Mapping[str, Any]
+    signatures: tuple[Signature, ...]  # bucket id -> signature, cheapest first
+    bucket_ids: np.ndarray  # [N] int32
+    path_blob: np.ndarray  # [total bytes] uint8, UTF-8 paths relative to root, back to back
+    path_offsets: np.ndarray  # [N + 1] int64
+    text_tokens: np.ndarray  # [N] int32, UNKNOWN where the record does not say
+    fingerprint: str = field(default="")
+
+    def __len__(self) -> int:
+        return int(self.bucket_ids.shape[0])
+
+    def relative_path(self, index: int) -> str:
+        """Payload path of sample `index`, relative to the cache root."""
+        start, end = self.path_offsets[index], self.path_offsets[index + 1]
+        return self.path_blob[start:end].tobytes().decode("utf-8")
+
+    def payload_path(self, index: int) -> Path:
+        """Absolute payload path of sample `index`, refusing symlinks that leave the cache."""
+        return resolve_inside(self.root, self.relative_path(index), self.relative_path(index), "cache_file")
+
+    def signature(self, index: int) -> Signature:
+        """Compound signature of sample `index`."""
+        return self.signatures[int(self.bucket_ids[index])]
+
+    def bucket_sizes(self) -> np.ndarray:
+        """[num_buckets] sample count per bucket id."""
+        return np.bincount(self.bucket_ids, minlength=len(self.signatures))
+
+    def bucket_members(self) -> list[np.ndarray]:
+        """Per bucket id, the ascending sample indices in it."""
+        order = np.argsort(self.bucket_ids, kind="stable")
+        return np.split(order, np.cumsum(self.bucket_sizes())[:-1])
+
+    @property
+    def source_revision(self) -> str | None:
+        """The manifest's dataset revision, which payloads that name one must match."""
+        value = self.manifest.get("dataset_revision", self.manifest.get("source_revision"))
+        return value if isinstance(value, str) and value else None
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the per-sample arrays."""
+        arrays = (self.bucket_ids, self.path_blob, self.path_offsets, self.text_tokens)
+        return sum(a.nbytes for a in arrays)
+
+
+def read_json(path: Path, display: str) -> Any:
+    """Parse a JSON cache file, naming it in any error."""
+    try:
+        with path.open("rb") as handle:
+            return json.loads(handle.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise
+    except UnicodeDecodeError as error:
+        fail(display, "encoding", f"expected UTF-8 JSON ({error.reason} at byte {error.start})")
+    except RecursionError:
+        fail(display, "json", "nesting is too deep")
+    except json.JSONDecodeError as error:
+        fail(display, "json", f"invalid JSON: {error.msg} at line {error.lineno} column {error.colno}")
+    except OSError as error:
+        fail(display, "file", f"cannot be read: {error.strerror or error}")
+
+
+def load_manifest(root: Path) -> tuple[dict[str, Any], list[str]]:
+    """Read metadata.json and return it with its shard paths (relative, checked for containment)."""
+    path = root / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no {MANIFEST} here; is {root} an image-edit cache directory?")
+    manifest = read_json(path, MANIFEST)
+    if not isinstance(manifest, dict):
+        fail(MANIFEST, "manifest", f"expected a JSON object, got {type(manifest).__name__}")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list):
+        fail(MANIFEST, "shards", f"expected a list of shard file names, got {shards!r}")
+    return manifest, [contained(root, s, MANIFEST, f"shards[{i}]") for i, s in enumerate(shards)]
+
+
+def load_index(cache_dir: str | Path) -> CacheIndex:
+    """Open the cache at `cache_dir`, checking every index rule of the contract."""
+    root = Path(cache_dir).expanduser().resolve()
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: cache directory does not exist")
+    manifest, shards = load_manifest(root)
+    bucket_of: dict[Signature, int] = {}
+    bucket_ids: list[int] = []
+    paths: list[bytes] = []
+    text_tokens: list[int] = []
+    seen: dict[str, str] = {}
+    checked_dirs: set[str] = set()
+    for shard in shards:
+        shard_path = resolve_inside(root, shard, MANIFEST, "shards")
+        records = read_json(shard_path, shard)
+        if not isinstance(records, list):
+            fail(shard, "records", f"expected a JSON list of records, got {type(records).__name__}")
+        for position, record in enumerate(records):
+            where = f"[{position}]"
+            if not isinstance(record, dict):
+                fail(shard, where, f"expected a record object, got {type(record).__name__}")
+            if "cache_file" not in record:
+                fail(shard, f"{where}.cache_file", "missing")
+            relative = contained(root, record["cache_file"], shard, f"{where}.cache_file")
+            if relative in seen:
+                fail(shard, f"{where}.cache_file", f"{relative!r} is listed twice (first at {seen[relative]})")
+            seen[relative] = f"{shard}{where}"
+            parent = relative.rpartition("/")[0]
+            if parent not in checked_dirs:
+                # A symlinked directory could lead outside; checking each directory once keeps opening fast.
+                resolve_inside(root, parent or ".", shard, f"{where}.cache_file")
+                checked_dirs.add(parent)
+            sig = validate.signature(
+                record.get("compound_bucket_signature"), shard, f"{where}.compound_bucket_signature"
+            )
+            check_optional_counts(record, sig, shard, where)
+            bucket_ids.append(bucket_of.setdefault(sig, len(bucket_of)))
+            paths.append(relative.encode("utf-8"))
+            text = record.get("text_token_length")
+            text_tokens.append(UNKNOWN if text is None else text)
+    return build_index(root, manifest, bucket_of, bucket_ids, paths, text_tokens)
+
+
+def check_optional_counts(record: Mapping[str, Any], sig: Signature, file: str, where: str) -> None:
+    """Validate the token counts an index record may carry."""
+    for name in ("target_token_length", "text_token_length"):
+        if record.get(name) is not None:
+            validate.nonnegative_int(record[name], file, f"{where}.{name}")
+    contexts = record.get("context_token_lengths")
+    if contexts is not None:
+        if not isinstance(contexts, list) or len(contexts) != len(sig.contexts):
+            fail(file, f"{where}.context_token_lengths", f"expected {len(sig.contexts)} integers, got {contexts!r}")
+        for i, n in enumerate(contexts):
+            validate.nonnegative_int(n, file, f"{where}.context_token_lengths[{i}]")
+
+
+def build_index(
+    root: Path,
+    manifest: dict[str, Any],
+    bucket_of: dict[Signature, int],
+    bucket_ids: list[int],
+    paths: list[bytes],
+    text_tokens: list[int],
+) -> CacheIndex:
+    """Pack parsed records into arrays, renumbering buckets in their stable sort order."""
+    signatures = tuple(sorted(bucket_of, key=sort_key))
+    renumber = np.zeros(max(len(bucket_of), 1), dtype=np.int32)
+    for new_id, sig in enumerate(signatures):
+        renumber[bucket_of[sig]] = new_id
+    ids = renumber[np.asarray(bucket_ids, dtype=np.int64)] if bucket_ids else np.zeros(0, dtype=np.int32)
+    lengths = np.fromiter((len(p) for p in paths), dtype=np.int64, count=len(paths))
+    offsets = np.zeros(len(paths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    blob = np.frombuffer(b"".join(paths), dtype=np.uint8)
+    text = np.asarray(text_tokens, dtype=np.int32)
+    digest = hashlib.sha256()
+    digest.update(json.dumps([s.to_json() for s in signatures]).encode())
+    for array in (ids, offsets, blob):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return CacheIndex(
+        root=root,
+        manifest=manifest,
+        signatures=signatures,
+        bucket_ids=ids.astype(np.int32),
+        path_blob=blob,
+        path_offsets=offsets,
+        text_tokens=text,
+        fingerprint=digest.hexdigest()[:16],
+    )

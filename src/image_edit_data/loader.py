@@ -1,0 +1,133 @@
+"""`ImageEditDataloaderConfig.build()`: dataset + bucket sampler + collate -> a StatefulDataLoader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from .collate import collate_image_edit
+from .dataset import ImageEditDataset
+from .plan import BucketOrder
+from .sampler import BucketBatchSampler, EvalBatchSampler, check_rank
+
+
+class DiffusionDataloaderBuild(NamedTuple):
+    """A built loader and the sampler that drives it (for `set_epoch` and resume state)."""
+
+    dataloader: StatefulDataLoader
+    sampler: BucketBatchSampler
+
+
+def bucket_batch_sizes(
+    dataset: ImageEditDataset,
+    batch_size: int,
+    dynamic: bool,
+    base_resolution: tuple[int, int],
+    latent_scale: int,
+) -> list[int]:
+    """Per-bucket batch size: `batch_size` everywhere, or sized to one token budget when `dynamic`.
+
+    Dynamic: a sample costs the pixel area of its target plus all its contexts, in
+    `quantization`-sized cells (latent dims x `latent_scale`, each rounded up). The budget is
+    `batch_size` samples of a base sample (target and one context at `base_resolution`), and
+    each bucket gets `max(1, budget // cost)` samples per batch.
+    """
+    if not dynamic:
+        return [batch_size] * len(dataset.signatures)
+    q = dataset.quantization
+    width, height = base_resolution
+    base_cost = 2 * (-(-height // q)) * (-(-width // q))
+    budget = batch_size * base_cost
+    return [max(1, budget // sig.quantized_cells(q, latent_scale)) for sig in dataset.signatures]
+
+
+@dataclass
+class ImageEditDataloaderConfig:
+    """Construction-time configuration of a cached image-edit dataloader."""
+
+    cache_dir: str
+    """Directory holding metadata.json, its shards and the payloads."""
+    quantization: int = 64
+    """Pixel cell size for the dynamic batch size's cost."""
+    base_resolution: tuple[int, int] = (1024, 1024)
+    """(width, height) at which a batch holds exactly `batch_size` samples when dynamic."""
+    drop_last: bool = True
+    """Drop each bucket's short last batch instead of yielding it short."""
+    shuffle: bool = True
+    """Shuffle samples within buckets and the order of batches, from (seed, epoch)."""
+    dynamic_batch_size: bool = False
+    """Size each bucket's batches to one latent-token budget (target + all contexts)."""
+    num_workers: int = 4
+    """Loader worker processes (0 loads in the training process)."""
+    pin_memory: bool = True
+    """Pin batches in page-locked memory (only when CUDA is available)."""
+    prefetch_factor: int = 2
+    """Batches each worker loads ahead."""
+    seed: int = 42
+    """Seed of every shuffle; the same on all ranks."""
+    bucket_order: BucketOrder = "interleaved"
+    """"interleaved": batches of all buckets shuffled together; "sequential": bucket after bucket."""
+    latent_scale: int = 8
+    """Pixels per latent position (the VAE's downsampling), for the dynamic batch size's cost."""
+    elastic: bool = False
+    """Allow resuming mid-epoch on a different world size (remaining samples are dealt anew)."""
+
+    def build(self, *, dp_rank: int, dp_world_size: int, batch_size: int) -> DiffusionDataloaderBuild:
+        """Open the cache and build this rank's sampler and stateful loader."""
+        return self.build_for(dataset=None, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=batch_size)
+
+    def build_for(
+        self,
+        *,
+        dataset: ImageEditDataset | None,
+        dp_rank: int,
+        dp_world_size: int,
+        batch_size: int,
+        epoch: int = 0,
+        max_batches: int | None = None,
+        evaluation: bool = False,
+    ) -> DiffusionDataloaderBuild:
+        """`build()` over an already opened dataset, with the extra knobs the DataModule needs."""
+        check_rank(dp_rank, dp_world_size)
+        for name, value in (("batch_size", batch_size), ("prefetch_factor", self.prefetch_factor)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be non-negative, got {self.num_workers}")
+        if dataset is None:
+            dataset = ImageEditDataset(self.cache_dir, quantization=self.quantization)
+        batch_sizes = bucket_batch_sizes(
+            dataset, batch_size, self.dynamic_batch_size, self.base_resolution, self.latent_scale
+        )
+        sampler_class = EvalBatchSampler if evaluation else BucketBatchSampler
+        sampler = sampler_class(
+            bucket_members=dataset.index.bucket_members(),
+            batch_sizes=batch_sizes,
+            rank=dp_rank,
+            world_size=dp_world_size,
+            seed=self.seed,
+            shuffle=self.shuffle and not evaluation,
+            drop_last=self.drop_last and not evaluation,
+            bucket_order=self.bucket_order,
+            epoch=epoch,
+            data_fingerprint=dataset.index.fingerprint,
+            max_batches=max_batches,
+            elastic=self.elastic,
+        )
+        workers: dict[str, Any] = {}
+        if self.num_workers > 0:
+            workers = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}
+        loader = StatefulDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collate_image_edit,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            # Our own generator: worker seeds then never draw from (or disturb) torch's global RNG.
+            generator=torch.Generator().manual_seed(self.seed),
+            **workers,
+        )
+        return DiffusionDataloaderBuild(dataloader=loader, sampler=sampler)

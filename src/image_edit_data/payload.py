@@ -1,0 +1,118 @@
+"""Read and write one sample payload: NeMo's `.pt` (weights-only torch.load) or our `.safetensors`.
+
+The safetensors form stores the same fields without pickle: tensors under the names
+`target_latent`, `context_latents.<i>`, `prompt_embeddings`, `prompt_attention_mask`,
+`conditioning_tensors.<name>`, and the payload's `metadata` as JSON in the header under
+`image_edit_data.metadata` (with `image_edit_data.format` = `1`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors_bytes
+from safetensors.torch import save as save_safetensors_bytes
+
+from .atomic import write_bytes_atomic
+from .validate import fail
+
+PayloadFormat = Literal["pt", "safetensors"]
+FORMAT_KEY = "image_edit_data.format"
+METADATA_KEY = "image_edit_data.metadata"
+FORMAT_VERSION = "1"
+CONTEXT_PREFIX = "context_latents."
+CONDITIONING_PREFIX = "conditioning_tensors."
+
+
+def format_of(path: str | Path) -> PayloadFormat:
+    """Payload format from the file suffix (`.safetensors`, else NeMo's `.pt`)."""
+    return "safetensors" if str(path).endswith(".safetensors") else "pt"
+
+
+def load_payload(path: Path, display: str) -> dict[str, Any]:
+    """Load one payload into the contract's dict form without running any code from the file."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        fail(display, "file", f"cannot be read: {error.strerror or error}")
+    if not data:
+        fail(display, "file", "is empty (0 bytes)")
+    if format_of(path) == "safetensors":
+        return from_safetensors(data, display)
+    try:
+        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        fail(display, "payload", f"refused by the weights-only loader: {str(error).splitlines()[0]}")
+    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, KeyError, OSError) as error:
+        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {error})")
+    if not isinstance(loaded, dict):
+        fail(display, "payload", f"expected a dict of cache fields, got {type(loaded).__name__}")
+    return loaded
+
+
+def from_safetensors(data: bytes, display: str) -> dict[str, Any]:
+    """Rebuild the payload dict from our safetensors form."""
+    try:
+        tensors = load_safetensors_bytes(data)
+        header_size = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_size])
+    except (SafetensorError, ValueError, UnicodeDecodeError, OverflowError) as error:
+        fail(display, "payload", f"not a readable safetensors file ({error})")
+    extra = header.get("__metadata__") or {}
+    if extra.get(FORMAT_KEY) != FORMAT_VERSION:
+        fail(
+            display,
+            FORMAT_KEY,
+            f"expected {FORMAT_VERSION!r} (an image-edit-data payload), got {extra.get(FORMAT_KEY)!r}",
+        )
+    try:
+        metadata = json.loads(extra.get(METADATA_KEY, "null"))
+    except json.JSONDecodeError as error:
+        fail(display, METADATA_KEY, f"invalid JSON: {error.msg}")
+    contexts = sorted((int(k[len(CONTEXT_PREFIX) :]), v) for k, v in tensors.items() if k.startswith(CONTEXT_PREFIX))
+    payload: dict[str, Any] = {
+        "context_latents": [tensor for _, tensor in contexts],
+        "conditioning_tensors": {
+            k[len(CONDITIONING_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONDITIONING_PREFIX)
+        },
+        "metadata": metadata,
+    }
+    for name in ("target_latent", "prompt_embeddings", "prompt_attention_mask"):
+        if name in tensors:
+            payload[name] = tensors[name]
+    return payload
+
+
+def to_safetensors(payload: Mapping[str, Any]) -> bytes:
+    """Serialise a payload dict into our safetensors form."""
+    tensors: dict[str, torch.Tensor] = {
+        "target_latent": payload["target_latent"],
+        "prompt_embeddings": payload["prompt_embeddings"],
+        "prompt_attention_mask": payload["prompt_attention_mask"],
+    }
+    for i, context in enumerate(payload["context_latents"]):
+        tensors[f"{CONTEXT_PREFIX}{i}"] = context
+    for name, tensor in (payload.get("conditioning_tensors") or {}).items():
+        tensors[f"{CONDITIONING_PREFIX}{name}"] = tensor
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    header = {FORMAT_KEY: FORMAT_VERSION, METADATA_KEY: json.dumps(payload["metadata"])}
+    return save_safetensors_bytes(tensors, metadata=header)
+
+
+def save_payload(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """Write a payload atomically, in the format its suffix names."""
+    if format_of(path) == "safetensors":
+        data = to_safetensors(payload)
+    else:
+        buffer = io.BytesIO()
+        torch.save({k: v for k, v in payload.items()}, buffer)
+        data = buffer.getvalue()
+    write_bytes_atomic(path, data)

@@ -1,0 +1,145 @@
+"""Plan one epoch of bucketed batches for every rank: a pure function of its inputs, in numpy.
+
+An epoch is a sequence of *steps*. At each step every rank takes one batch, all from the same
+bucket, so ranks always run the same shapes in lockstep and always have the same batch count.
+Within a bucket the (shuffled) samples are padded by cycling until every rank gets the same
+number, dealt round-robin to ranks, and cut into batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+BucketOrder = Literal["interleaved", "sequential"]
+Tail = Literal["drop", "short", "pad"]  # short last batch: dropped, kept short, or filled by cycling
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Steps of one epoch; rank r's batch at step t is `flat[start[t] + r*size[t] : start[t] + (r+1)*size[t]]`."""
+
+    world_size: int
+    flat: np.ndarray  # [sum over steps of world_size * size] sample indices
+    start: np.ndarray  # [T] int64 offset of each step in `flat`, in epoch order
+    size: np.ndarray  # [T] int64 per-rank batch size of each step
+    bucket: np.ndarray  # [T] int32 bucket id of each step
+
+    def __len__(self) -> int:
+        return int(self.start.shape[0])
+
+    def batch(self, step: int, rank: int) -> np.ndarray:
+        """Sample indices rank `rank` trains on at step `step`."""
+        begin = int(self.start[step]) + rank * int(self.size[step])
+        return self.flat[begin : begin + int(self.size[step])]
+
+    def step_samples(self, steps: slice) -> np.ndarray:
+        """All ranks' sample indices over a range of steps (with rank padding repeats)."""
+        parts = [self.flat[s : s + self.world_size * n] for s, n in zip(self.start[steps], self.size[steps])]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=self.flat.dtype)
+
+
+def rng_for(seed: int, *keys: int) -> np.random.Generator:
+    """A generator that depends only on `seed` and `keys`, identical on every rank."""
+    return np.random.default_rng([seed & 0xFFFFFFFF, *keys])
+
+
+def deal_bucket(members: np.ndarray, world_size: int, batch_size: int, tail: Tail) -> tuple[np.ndarray, np.ndarray]:
+    """Deal one bucket to ranks; return its steps' samples (step-major, then rank) and per-step sizes."""
+    n = members.shape[0]
+    if n == 0:
+        return members[:0], np.zeros(0, dtype=np.int64)
+    per_rank = -(-n // world_size)
+    if tail == "pad":
+        per_rank = -(-per_rank // batch_size) * batch_size
+    dealt = np.resize(members, per_rank * world_size).reshape(per_rank, world_size).T  # [W, per_rank]
+    full, rest = divmod(per_rank, batch_size)
+    blocks = [dealt[:, : full * batch_size].reshape(world_size, full, batch_size).transpose(1, 0, 2).reshape(-1)]
+    sizes = [np.full(full, batch_size, dtype=np.int64)]
+    if rest and tail == "short":
+        blocks.append(dealt[:, full * batch_size :].reshape(-1))  # rank-major: each rank `rest` samples
+        sizes.append(np.array([rest], dtype=np.int64))
+    return np.concatenate(blocks), np.concatenate(sizes)
+
+
+def plan_steps(
+    members: Sequence[np.ndarray],
+    batch_sizes: Sequence[int],
+    world_size: int,
+    tail: Tail,
+    order: BucketOrder,
+    rng: np.random.Generator | None,
+) -> EpochPlan:
+    """Deal each bucket's ordered members, then order the steps (shuffled if `rng` and interleaved)."""
+    flats, sizes, buckets = [], [], []
+    for bucket_id, (bucket, batch_size) in enumerate(zip(members, batch_sizes)):
+        flat, size = deal_bucket(bucket, world_size, batch_size, tail)
+        flats.append(flat)
+        sizes.append(size)
+        buckets.append(np.full(size.shape[0], bucket_id, dtype=np.int32))
+    size = np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64)
+    bucket = np.concatenate(buckets) if buckets else np.zeros(0, dtype=np.int32)
+    start = np.zeros(size.shape[0], dtype=np.int64)
+    np.cumsum(size[:-1] * world_size, out=start[1:])  # [T] offsets in bucket-after-bucket order
+    if order == "interleaved" and rng is not None:
+        perm = rng.permutation(size.shape[0])  # [T]
+        start, size, bucket = start[perm], size[perm], bucket[perm]
+    flat = np.concatenate(flats) if flats else np.zeros(0, dtype=np.int64)
+    return EpochPlan(world_size=world_size, flat=flat, start=start, size=size, bucket=bucket)
+
+
+def shuffled_members(members: Sequence[np.ndarray], seed: int, epoch: int, shuffle: bool) -> list[np.ndarray]:
+    """Each bucket's members, permuted from (seed, epoch, bucket) when shuffling."""
+    if not shuffle:
+        return list(members)
+    return [rng_for(seed, epoch, b).permutation(m) for b, m in enumerate(members)]
+
+
+def plan_epoch(
+    members: Sequence[np.ndarray],
+    batch_sizes: Sequence[int],
+    *,
+    seed: int,
+    epoch: int,
+    world_size: int,
+    shuffle: bool,
+    drop_last: bool,
+    order: BucketOrder,
+    history: Sequence[tuple[int, int]] = (),
+) -> EpochPlan:
+    """The plan every rank follows for `epoch`.
+
+    `history` lists earlier segments of this epoch run at other world sizes, as
+    `(world_size, steps consumed)`. Their consumed samples are removed and the rest is dealt
+    again to `world_size` ranks (elastic resume); continuation segments pad short tails instead
+    of dropping them, so no sample that was due in this epoch is lost.
+    """
+    ordered = shuffled_members(members, seed, epoch, shuffle)
+    tail: Tail = "drop" if drop_last else "short"
+    rng = rng_for(seed, epoch, 1 << 20) if shuffle else None
+    worlds = [w for w, _ in history] + [world_size]
+    plan = plan_steps(ordered, batch_sizes, worlds[0], tail, order, rng)
+    for segment, (_, consumed) in enumerate(history, start=1):
+        ordered = remaining_members(plan, consumed, len(members))
+        rng = rng_for(seed, epoch, 1 << 20, segment) if shuffle else None
+        plan = plan_steps(ordered, batch_sizes, worlds[segment], "pad" if drop_last else "short", order, rng)
+    return plan
+
+
+def remaining_members(plan: EpochPlan, consumed: int, num_buckets: int) -> list[np.ndarray]:
+    """Per bucket, the samples of `plan` not trained on in its first `consumed` steps, in plan order."""
+    done = plan.step_samples(slice(0, consumed))
+    remaining = []
+    for bucket_id in range(num_buckets):
+        steps = np.flatnonzero(plan.bucket[consumed:] == bucket_id) + consumed
+        if steps.size == 0:
+            remaining.append(np.zeros(0, dtype=plan.flat.dtype))
+            continue
+        samples = plan.step_samples(steps)  # type: ignore[arg-type]
+        _, first = np.unique(samples, return_index=True)
+        samples = samples[np.sort(first)]  # drop rank-padding repeats, keep order
+        remaining.append(samples[~np.isin(samples, done)])
+    return remaining

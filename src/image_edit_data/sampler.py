@@ -1,0 +1,237 @@
+"""The distributed bucket batch sampler: slices the epoch plan from a small resumable state.
+
+State is `{"version", "epoch", "consumed", "history", "fingerprint"}`, identical on every rank
+(Lightning restores rank 0's copy everywhere). `consumed` counts the batches this sampler handed
+out in the current epoch; torchdata snapshots it per batch, so prefetching workers never make a
+resume skip batches that training did not see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .plan import BucketOrder, EpochPlan, plan_epoch
+
+STATE_VERSION = 1
+BUCKET_ORDERS = ("interleaved", "sequential")
+
+
+class ResumeMismatchError(ValueError):
+    """Saved sampler state does not fit this sampler's data or configuration."""
+
+
+class BucketBatchSampler:
+    """Yields this rank's batches (lists of sample indices), one compound signature per batch.
+
+    Every rank gets the same number of batches; the order depends only on `(seed, epoch)`.
+    Call `set_epoch(e)` before each epoch (Lightning does, through the DataModule's loader).
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket_members: Sequence[np.ndarray],
+        batch_sizes: Sequence[int],
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 42,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        bucket_order: BucketOrder = "interleaved",
+        epoch: int = 0,
+        data_fingerprint: str = "",
+        max_batches: int | None = None,
+        elastic: bool = False,
+    ) -> None:
+        check_rank(rank, world_size)
+        if len(batch_sizes) != len(bucket_members):
+            raise ValueError(f"got {len(batch_sizes)} batch sizes for {len(bucket_members)} buckets")
+        if any(b < 1 for b in batch_sizes):
+            raise ValueError(f"batch sizes must be positive, got {list(batch_sizes)}")
+        if bucket_order not in BUCKET_ORDERS:
+            raise ValueError(f"bucket_order must be one of {BUCKET_ORDERS}, got {bucket_order!r}")
+        if max_batches is not None and max_batches < 0:
+            raise ValueError(f"max_batches must be non-negative, got {max_batches}")
+        self.bucket_members = [np.asarray(m, dtype=np.int64) for m in bucket_members]
+        self.batch_sizes = [int(b) for b in batch_sizes]
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.bucket_order: BucketOrder = bucket_order
+        self.max_batches = max_batches
+        self.elastic = elastic
+        self.data_fingerprint = data_fingerprint
+        self.epoch = epoch
+        self.consumed = 0
+        self.history: list[tuple[int, int]] = []
+        self._plan_key: tuple[Any, ...] | None = None
+        self._plan: EpochPlan | None = None
+
+    @property
+    def sampler(self) -> BucketBatchSampler:
+        """Itself: Lightning calls `loader.batch_sampler.sampler.set_epoch`, so the epoch reaches us."""
+        return self
+
+    def plan(self) -> EpochPlan:
+        """The current epoch's plan (cached; recomputed when epoch or history change)."""
+        key = (self.epoch, tuple(self.history))
+        if self._plan is None or self._plan_key != key:
+            self._plan = plan_epoch(
+                self.bucket_members,
+                self.batch_sizes,
+                seed=self.seed,
+                epoch=self.epoch,
+                world_size=self.world_size,
+                shuffle=self.shuffle,
+                drop_last=self.drop_last,
+                order=self.bucket_order,
+                history=self.history,
+            )
+            self._plan_key = key
+        return self._plan
+
+    def __len__(self) -> int:
+        """Batches this rank yields in the current epoch (the same on every rank)."""
+        steps = len(self.plan())
+        return steps if self.max_batches is None else min(steps, self.max_batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.consumed >= len(self):
+            self.advance_epoch(self.epoch + 1)  # the last epoch ran to its end and nobody called set_epoch
+        total = len(self)
+        while self.consumed < total:
+            batch = self.batch_for(self.consumed)
+            self.consumed += 1
+            yield batch.tolist()
+
+    def batch_for(self, step: int) -> np.ndarray:
+        """This rank's `step`-th batch of the current epoch."""
+        return self.plan().batch(step, self.rank)
+
+    def advance_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its first batch."""
+        self.epoch, self.consumed, self.history = epoch, 0, []
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to `epoch`; keeps a restored mid-epoch position when `epoch` is the current one."""
+        if epoch != self.epoch:
+            self.advance_epoch(epoch)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for a saved position to mean the same samples on resume."""
+        return {
+            "data": self.data_fingerprint,
+            "batch_sizes": list(self.batch_sizes),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "bucket_order": self.bucket_order,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """A fresh dict (never aliased: torchdata keeps per-batch snapshots of it)."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "history": [list(h) for h in self.history],
+            "fingerprint": self.fingerprint(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], allow_changes: Sequence[str] = ()) -> None:
+        """Restore a position by assignment; refuse one saved under different data or config.
+
+        A changed world size continues the same epoch on the new ranks when the sampler was built
+        with `elastic=True`; other changes are refused unless named in `allow_changes`.
+        """
+        state = migrate_state(state)
+        saved = state["fingerprint"]
+        current = self.fingerprint()
+        allowed = set(allow_changes) | ({"world_size"} if self.elastic else set())
+        changed = describe_changes(saved, current, allowed)
+        if changed:
+            elastic_hint = any(line.startswith("world_size") for line in changed)
+            hint = " (set elastic=True to continue on a new world size)" if elastic_hint else ""
+            raise ResumeMismatchError(
+                "cannot resume: the saved data position does not fit: " + "; ".join(changed) + hint
+            )
+        self.epoch = int(state["epoch"])
+        self.history = [(int(w), int(c)) for w, c in state["history"]]
+        self.consumed = int(state["consumed"])
+        if saved.get("world_size") != self.world_size and self.consumed > 0:
+            self.history.append((int(saved["world_size"]), self.consumed))
+            self.consumed = 0
+        if self.consumed >= len(self):
+            self.advance_epoch(self.epoch + 1)
+
+
+class EvalBatchSampler(BucketBatchSampler):
+    """Every sample exactly once across ranks, in a fixed order, for validation and test.
+
+    The whole epoch is planned as if for one rank (no shuffle, no rank padding, short last
+    batches kept) and its batches are dealt round-robin, so ranks may differ by one batch and no
+    sample is counted twice in a metric.
+    """
+
+    def plan(self) -> EpochPlan:
+        if self._plan is None:
+            whole = plan_epoch(
+                self.bucket_members,
+                self.batch_sizes,
+                seed=self.seed,
+                epoch=0,
+                world_size=1,
+                shuffle=False,
+                drop_last=False,
+                order="sequential",
+            )
+            mine = slice(self.rank, None, self.world_size)
+            self._plan = EpochPlan(
+                world_size=1, flat=whole.flat, start=whole.start[mine], size=whole.size[mine], bucket=whole.bucket[mine]
+            )
+        return self._plan
+
+    def batch_for(self, step: int) -> np.ndarray:
+        """This rank's `step`-th batch."""
+        return self.plan().batch(step, 0)
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    """Refuse impossible ranks and world sizes with a clear message."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"dp_world_size must be a positive integer, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"dp_rank must be in [0, {world_size}), got {rank!r}")
+
+
+def migrate_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Bring a saved sampler state to the current version, or explain why it cannot be read."""
+    if not isinstance(state, Mapping) or "version" not in state:
+        raise ResumeMismatchError(f"cannot resume: not an image-edit-data sampler state: {state!r:.200}")
+    version = state["version"]
+    if version != STATE_VERSION:
+        newer = isinstance(version, int) and version > STATE_VERSION
+        raise ResumeMismatchError(
+            f"cannot resume: sampler state version {version} was written by a "
+            f"{'newer' if newer else 'different'} image-edit-data; this one reads version {STATE_VERSION}"
+            + (" (upgrade the package)" if newer else "")
+        )
+    missing = {"epoch", "consumed", "history", "fingerprint"} - set(state)
+    if missing:
+        raise ResumeMismatchError(f"cannot resume: sampler state lacks {sorted(missing)}")
+    return dict(state)
+
+
+def describe_changes(saved: Mapping[str, Any], current: Mapping[str, Any], allowed: set[str]) -> list[str]:
+    """One `key: checkpoint X, now Y` line per differing fingerprint key not in `allowed`."""
+    lines = []
+    for key in sorted(set(saved) | set(current)):
+        if key not in allowed and saved.get(key) != current.get(key):
+            lines.append(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}")
+    return lines

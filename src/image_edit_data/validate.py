@@ -1,0 +1,227 @@
+"""Every rule of the cache contract, in one place.
+
+Index rules run once when a cache is opened; payload rules run per sample against its index
+record. Every violation is a `CacheFormatError` (a `ValueError`) whose message reads
+``<file>: <field>: <problem>`` so a user can go straight to the bad entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import torch
+
+from .buckets import Signature
+
+
+class CacheFormatError(ValueError):
+    """A cache file breaks the contract; names the file and the field."""
+
+    def __init__(self, file: str, field: str, problem: str) -> None:
+        super().__init__(f"{file}: {field}: {problem}")
+        self.file = file
+        self.field = field
+        self.problem = problem
+
+
+def fail(file: str, field: str, problem: str) -> NoReturn:
+    """Raise the one error type every contract rule uses."""
+    raise CacheFormatError(file, field, problem)
+
+
+def is_int(value: object) -> bool:
+    """True for JSON/Python integers, false for booleans (which Python counts as ints)."""
+    return type(value) is int
+
+
+def nonnegative_int(value: object, file: str, field: str) -> int:
+    """Check a token count or similar non-negative integer."""
+    if not is_int(value) or value < 0:  # type: ignore[operator]
+        fail(file, field, f"expected a non-negative integer, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def shape(value: object, rank: int, file: str, field: str, allow_zero: bool = False) -> tuple[int, ...]:
+    """Check a JSON shape list of `rank` integers (positive unless `allow_zero`)."""
+    if not isinstance(value, (list, tuple)) or len(value) != rank:
+        fail(file, field, f"expected a list of {rank} integers, got {value!r}")
+    lowest = 0 if allow_zero else 1
+    for dim in value:
+        if not is_int(dim) or dim < lowest:
+            kind = "non-negative" if allow_zero else "positive"
+            fail(file, field, f"expected {kind} integer dimensions, got {value!r}")
+    return tuple(value)
+
+
+def signature(value: object, file: str, field: str) -> Signature:
+    """Parse `{"target": [C,H,W], "contexts": [[C,h,w], ...]}` into a `Signature`."""
+    if not isinstance(value, Mapping):
+        fail(file, field, f"expected an object with 'target' and 'contexts', got {type(value).__name__}")
+    target = shape(value.get("target"), 3, file, f"{field}.target")
+    contexts = value.get("contexts")
+    if not isinstance(contexts, list) or not contexts:
+        fail(file, f"{field}.contexts", f"expected a non-empty list of [C, h, w] shapes, got {contexts!r}")
+    parsed = tuple(shape(c, 3, file, f"{field}.contexts[{i}]") for i, c in enumerate(contexts))
+    return Signature(target=target, contexts=parsed)  # type: ignore[arg-type]
+
+
+def latent(value: object, file: str, field: str) -> tuple[int, int, int]:
+    """Check a floating `[C, H, W]` latent tensor and return its shape."""
+    if not isinstance(value, torch.Tensor):
+        fail(file, field, f"expected a tensor, got {type(value).__name__}")
+    if value.ndim != 3:
+        fail(file, field, f"expected shape [channels, height, width], got {tuple(value.shape)}")
+    if not value.is_floating_point():
+        fail(file, field, f"expected a floating-point dtype, got {value.dtype}")
+    return tuple(value.shape)  # type: ignore[return-value]
+
+
+def tensor_field(payload: Mapping[str, Any], name: str, file: str) -> torch.Tensor:
+    """Fetch a required tensor entry of a payload."""
+    value = payload.get(name)
+    if not isinstance(value, torch.Tensor):
+        fail(file, name, f"expected a tensor, got {type(value).__name__}")
+    return value
+
+
+def payload(raw: object, expected: Signature, file: str, manifest_revision: str | None) -> dict[str, Any]:
+    """Check one loaded payload against the contract and its index record; return the sample dict."""
+    if not isinstance(raw, Mapping):
+        fail(file, "payload", f"expected a mapping of cache fields, got {type(raw).__name__}")
+    target = tensor_field(raw, "target_latent", file)
+    target_shape = latent(target, file, "target_latent")
+    contexts = raw.get("context_latents")
+    if not isinstance(contexts, (list, tuple)) or not contexts:
+        fail(file, "context_latents", f"expected a non-empty list of tensors, got {type(contexts).__name__}")
+    context_shapes = tuple(latent(c, file, f"context_latents[{i}]") for i, c in enumerate(contexts))
+    actual = Signature(target=target_shape, contexts=context_shapes)
+    if actual != expected:
+        fail(file, "compound_bucket_signature", f"index says {expected.describe()}, tensors are {actual.describe()}")
+
+    embeddings = tensor_field(raw, "prompt_embeddings", file)
+    if embeddings.ndim != 2 or not embeddings.is_floating_point():
+        fail(
+            file,
+            "prompt_embeddings",
+            f"expected a floating tensor [sequence, hidden], got {tuple(embeddings.shape)} {embeddings.dtype}",
+        )
+    mask = tensor_field(raw, "prompt_attention_mask", file)
+    if mask.ndim != 1 or mask.shape[0] != embeddings.shape[0]:
+        fail(
+            file,
+            "prompt_attention_mask",
+            f"expected shape [sequence] matching prompt_embeddings ({embeddings.shape[0]},), got {tuple(mask.shape)}",
+        )
+    if mask.is_floating_point() or mask.is_complex():
+        fail(file, "prompt_attention_mask", f"expected a bool or integer dtype, got {mask.dtype}")
+
+    conditioning = raw.get("conditioning_tensors", {})
+    if conditioning is None:
+        conditioning = {}
+    if not isinstance(conditioning, Mapping):
+        fail(file, "conditioning_tensors", f"expected a mapping of name to tensor, got {type(conditioning).__name__}")
+    for name, tensor in conditioning.items():
+        if not isinstance(name, str) or not name:
+            fail(file, "conditioning_tensors", f"expected non-empty string names, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            fail(file, f"conditioning_tensors.{name}", f"expected a tensor, got {type(tensor).__name__}")
+
+    metadata = sample_metadata(raw.get("metadata"), actual, embeddings.shape[0], conditioning, file, manifest_revision)
+    return {
+        "target_latent": target,
+        "context_latents": list(contexts),
+        "prompt_embeddings": embeddings,
+        "prompt_attention_mask": mask,
+        "conditioning_tensors": dict(conditioning),
+        "metadata": metadata,
+    }
+
+
+def sample_metadata(
+    raw: object,
+    sig: Signature,
+    sequence_length: int,
+    conditioning: Mapping[str, torch.Tensor],
+    file: str,
+    manifest_revision: str | None,
+) -> dict[str, Any]:
+    """Check a payload's `metadata` entry and fill in the token-length defaults."""
+    if not isinstance(raw, Mapping):
+        fail(file, "metadata", f"expected a mapping, got {type(raw).__name__}")
+    ids = raw.get("original_ids")
+    if not isinstance(ids, Mapping) or not ids:
+        fail(file, "metadata.original_ids", f"expected a non-empty mapping, got {ids!r}")
+    for name, value in ids.items():
+        if not isinstance(name, str) or not name or not (isinstance(value, str) or is_int(value)):
+            fail(file, "metadata.original_ids", f"expected non-empty names mapped to str or int ids, got {name!r}")
+
+    revision = raw.get("source_revision")
+    if revision is not None:
+        if not isinstance(revision, str) or not revision:
+            fail(file, "metadata.source_revision", f"expected a non-empty string, got {revision!r}")
+        if manifest_revision is not None and revision != manifest_revision:
+            fail(file, "metadata.source_revision", f"{revision!r} differs from the manifest's {manifest_revision!r}")
+
+    spatial = shape(raw.get("target_spatial_shape"), 2, file, "metadata.target_spatial_shape")
+    if spatial != sig.target[1:]:
+        fail(file, "metadata.target_spatial_shape", f"expected {list(sig.target[1:])}, got {list(spatial)}")
+    raw_context_shapes = raw.get("context_spatial_shapes")
+    if not isinstance(raw_context_shapes, list):
+        fail(file, "metadata.context_spatial_shapes", f"expected a list of [h, w], got {raw_context_shapes!r}")
+    context_spatial = [
+        list(shape(s, 2, file, f"metadata.context_spatial_shapes[{i}]")) for i, s in enumerate(raw_context_shapes)
+    ]
+    expected_context_spatial = [list(c[1:]) for c in sig.contexts]
+    if context_spatial != expected_context_spatial:
+        fail(file, "metadata.context_spatial_shapes", f"expected {expected_context_spatial}, got {context_spatial}")
+    declared = signature(raw.get("compound_bucket_signature"), file, "metadata.compound_bucket_signature")
+    if declared != sig:
+        fail(
+            file, "metadata.compound_bucket_signature", f"declares {declared.describe()}, tensors are {sig.describe()}"
+        )
+
+    declared_conditioning = raw.get("conditioning_shapes", {})
+    if not isinstance(declared_conditioning, Mapping):
+        fail(file, "metadata.conditioning_shapes", f"expected a mapping, got {type(declared_conditioning).__name__}")
+    if set(declared_conditioning) != set(conditioning):
+        fail(
+            file,
+            "metadata.conditioning_shapes",
+            f"names {sorted(map(str, declared_conditioning))} differ from conditioning_tensors {sorted(conditioning)}",
+        )
+    conditioning_shapes: dict[str, list[int]] = {}
+    for name, tensor in conditioning.items():
+        field = f"metadata.conditioning_shapes.{name}"
+        declared_shape = shape(declared_conditioning[name], tensor.ndim, file, field, allow_zero=True)
+        if declared_shape != tuple(tensor.shape):
+            fail(file, field, f"declares {list(declared_shape)}, tensor is {list(tensor.shape)}")
+        conditioning_shapes[name] = list(declared_shape)
+
+    target_tokens = raw.get("target_token_length", sig.target[1] * sig.target[2])
+    target_tokens = nonnegative_int(target_tokens, file, "metadata.target_token_length")
+    context_tokens = raw.get("context_token_lengths")
+    if context_tokens is None:
+        context_tokens = [c[1] * c[2] for c in sig.contexts]
+    if not isinstance(context_tokens, list) or len(context_tokens) != len(sig.contexts):
+        fail(file, "metadata.context_token_lengths", f"expected {len(sig.contexts)} integers, got {context_tokens!r}")
+    context_tokens = [
+        nonnegative_int(n, file, f"metadata.context_token_lengths[{i}]") for i, n in enumerate(context_tokens)
+    ]
+    text_tokens = nonnegative_int(raw.get("text_token_length", sequence_length), file, "metadata.text_token_length")
+    if text_tokens > sequence_length:
+        fail(file, "metadata.text_token_length", f"{text_tokens} exceeds the prompt sequence length {sequence_length}")
+
+    normalized = dict(raw)
+    normalized.update(
+        original_ids=dict(ids),
+        source_revision=revision,
+        target_spatial_shape=list(spatial),
+        context_spatial_shapes=context_spatial,
+        compound_bucket_signature=sig.to_json(),
+        conditioning_shapes=conditioning_shapes,
+        target_token_length=target_tokens,
+        context_token_lengths=context_tokens,
+        text_token_length=text_tokens,
+    )
+    return normalized
