@@ -52,7 +52,8 @@ def load_payload(path: Path, display: str) -> dict[str, Any]:
     except pickle.UnpicklingError as error:
         fail(display, "payload", f"refused by the weights-only loader: {str(error).splitlines()[0]}")
     except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, KeyError, OSError) as error:
-        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {error})")
+        reason = str(error).split(". ")[0]  # torch appends paragraphs of advice; the first sentence says it
+        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {reason})")
     if not isinstance(loaded, dict):
         fail(display, "payload", f"expected a dict of cache fields, got {type(loaded).__name__}")
     return loaded

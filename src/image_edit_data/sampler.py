@@ -164,7 +164,8 @@ class BucketBatchSampler:
         self.epoch = int(state["epoch"])
         self.history = [(int(w), int(c)) for w, c in state["history"]]
         self.consumed = int(state["consumed"])
-        if saved.get("world_size") != self.world_size and self.consumed > 0:
+        if saved.get("world_size") != self.world_size:
+            # The epoch was planned for the old ranks: keep that plan's samples, deal the rest anew.
             self.history.append((int(saved["world_size"]), self.consumed))
             self.consumed = 0
         if self.consumed >= len(self):
