@@ -1,0 +1,189 @@
+"""A local Hugging Face `datasets` data set (a `save_to_disk` directory or parquet files) as an edit source.
+
+Columns are mapped by name, e.g. MagicBrush: target `target_img`, contexts `[source_img]`, prompt
+`instruction`; InstructPix2Pix: target `edited_image`, contexts `[original_image]`, prompt `edit_prompt`.
+Image cells may be PIL images, `{"bytes": ..., "path": ...}` structs or raw bytes; image columns are
+read undecoded so a broken image is reported as a bad row instead of failing the whole read.
+Nothing is downloaded: only local paths are opened.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from .records import RawEditSample
+from .sources import (
+    DUPLICATE_ID,
+    EMPTY_PROMPT,
+    INVALID_ENTRY,
+    NO_CONTEXT,
+    NO_TARGET,
+    UNREADABLE_IMAGE,
+    BadSampleError,
+    SourceRecord,
+    first_positions,
+    inside,
+    open_image,
+)
+
+JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def parquet_files(path: Path) -> list[Path]:
+    """A parquet file itself, or every parquet file under a directory, in name order."""
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"{path}: no .parquet files here and no save_to_disk data set (state.json)")
+    return files
+
+
+class HFDatasetSource:
+    """Rows of a local Hugging Face data set, with a column mapping."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        target_column: str,
+        context_columns: Sequence[str],
+        prompt_column: str,
+        id_column: str | None = None,
+        split: str | None = None,
+        metadata_columns: Sequence[str] = (),
+        hf_cache_dir: str | None = None,
+    ) -> None:
+        """
+        Args:
+            path: A `save_to_disk` directory, a parquet file, or a directory of parquet files.
+            target_column: Column holding the edited (target) image.
+            context_columns: Columns holding the context images, in order; a cell may hold a list of images.
+            prompt_column: Column holding the edit instruction.
+            id_column: Column holding a unique sample id; without it the row number is the id.
+            split: Split to read when `path` holds a DatasetDict with more than one split.
+            metadata_columns: Columns copied into each payload's `manifest_metadata`.
+            hf_cache_dir: Where `datasets` may write the Arrow files it converts parquet into.
+        """
+        import datasets
+
+        self.path = Path(path)
+        self.name = str(path)
+        self.columns = {
+            "target_column": target_column,
+            "context_columns": list(context_columns),
+            "prompt_column": prompt_column,
+            "id_column": id_column,
+            "metadata_columns": list(metadata_columns),
+        }
+        if not context_columns:
+            raise ValueError(f"{self.name}: context_columns: expected at least one column name, got none")
+        if not self.path.exists():
+            raise FileNotFoundError(f"{self.path}: data set path does not exist")
+        self.root = Path(os.path.realpath(self.path if self.path.is_dir() else self.path.parent))
+        if (self.path / "state.json").is_file() or (self.path / "dataset_dict.json").is_file():
+            loaded = datasets.load_from_disk(str(self.path))
+        else:
+            files = [str(p) for p in parquet_files(self.path)]
+            loaded = datasets.Dataset.from_parquet(files, cache_dir=hf_cache_dir)
+        if isinstance(loaded, datasets.DatasetDict):
+            if split is None and len(loaded) == 1:
+                split = next(iter(loaded))
+            if split not in loaded:
+                raise ValueError(f"{self.name}: split: expected one of {sorted(loaded)}, got {split!r}")
+            loaded = loaded[split]
+        self.split = split
+        names = [target_column, *context_columns, prompt_column, *metadata_columns]
+        missing = [c for c in [*names, id_column] if c is not None and c not in loaded.column_names]
+        if missing:
+            raise ValueError(f"{self.name}: columns {missing} not found; the data set has {loaded.column_names}")
+        for column in (target_column, *context_columns):
+            if isinstance(loaded.features[column], datasets.Image):
+                loaded = loaded.cast_column(column, datasets.Image(decode=False))
+        self.dataset = loaded
+        ids = [None if v is None else str(v) for v in loaded[id_column]] if id_column else []
+        self.repeats = first_positions(ids)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def location(self, position: int) -> str:
+        """`<path> row <n>` (0-based row of the data set)."""
+        return f"{self.name} row {position}"
+
+    def read(self, position: int) -> SourceRecord:
+        """Decode the row's images and check its prompt, target, contexts and id."""
+        where = self.location(position)
+        if position in self.repeats:
+            raise BadSampleError(
+                where, DUPLICATE_ID, f"{self.columns['id_column']}: id is already used by row {self.repeats[position]}"
+            )
+        row = self.dataset[position]
+        id_column = self.columns["id_column"]
+        sample_id = str(position) if id_column is None else row[id_column]
+        if isinstance(sample_id, bool) or not isinstance(sample_id, (str, int)) or sample_id == "":
+            raise BadSampleError(
+                where, INVALID_ENTRY, f"{id_column}: expected a non-empty string or integer id, got {sample_id!r}"
+            )
+        prompt = row[self.columns["prompt_column"]]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise BadSampleError(
+                where, EMPTY_PROMPT, f"{self.columns['prompt_column']}: expected non-empty text, got {prompt!r}"
+            )
+        target_column = self.columns["target_column"]
+        if row[target_column] is None:
+            raise BadSampleError(where, NO_TARGET, f"{target_column}: expected an image, got None")
+        target = self._image(row[target_column], where, target_column)
+        contexts: list[Image.Image] = []
+        for column in self.columns["context_columns"]:
+            cell = row[column]
+            if cell is None or (isinstance(cell, (list, tuple)) and not cell):
+                raise BadSampleError(where, NO_CONTEXT, f"{column}: expected a context image, got {cell!r}")
+            if isinstance(cell, (list, tuple)):
+                contexts.extend(self._image(c, where, f"{column}[{i}]") for i, c in enumerate(cell))
+            else:
+                contexts.append(self._image(cell, where, column))
+        metadata = {c: self._plain(row[c]) for c in self.columns["metadata_columns"]}
+        sample = RawEditSample(str(sample_id), prompt, target, tuple(contexts), metadata)
+        return SourceRecord(position, where, sample)
+
+    def _image(self, cell: Any, where: str, field: str) -> Image.Image:
+        """A PIL image from a decoded image, an undecoded `{"bytes", "path"}` struct or raw bytes."""
+        if isinstance(cell, Image.Image):
+            return cell.convert("RGB")
+        if isinstance(cell, (bytes, bytearray)):
+            return open_image(bytes(cell), where, field)
+        if isinstance(cell, dict) and cell.get("bytes"):
+            return open_image(bytes(cell["bytes"]), where, field)
+        if isinstance(cell, dict) and isinstance(cell.get("path"), str) and cell["path"]:
+            return open_image(inside(self.root, cell["path"], where, f"{field}.path"), where, field)
+        raise BadSampleError(
+            where,
+            UNREADABLE_IMAGE,
+            f"{field}: expected an image, image bytes or {{'bytes': ...}}, got {type(cell).__name__}",
+        )
+
+    @staticmethod
+    def _plain(value: Any) -> Any:
+        """A JSON-safe copy of a metadata cell (anything else becomes its string form)."""
+        if isinstance(value, JSON_SCALARS):
+            return value
+        if isinstance(value, (list, tuple)):
+            return [HFDatasetSource._plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): HFDatasetSource._plain(v) for k, v in value.items()}
+        return str(value)
+
+    def describe(self) -> dict[str, Any]:
+        """Kind, absolute path, split, column mapping and row count."""
+        return {
+            "kind": "hf_dataset",
+            "path": str(self.path.resolve()),
+            "split": self.split,
+            **self.columns,
+            "rows": len(self),
+        }

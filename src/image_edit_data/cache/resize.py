@@ -1,0 +1,105 @@
+"""How raw images are brought to encoder-ready pixel sizes, and turned into pixel tensors.
+
+Three policies: `max_pixels` keeps the aspect ratio within a pixel budget; `presets` picks the
+resolution of closest aspect ratio from a list, scales to cover it and centre-crops; `none` keeps
+the image and requires it to be aligned already. Every result has sides that are multiples of
+both `spatial_alignment` and the image encoder's spatial factor. Target and contexts are resized
+independently by the same policy, so they may end up with different sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+ResizeMode = Literal["max_pixels", "presets", "none"]
+
+
+@dataclass(frozen=True)
+class ResizePolicy:
+    """Where each image's pixel size comes from."""
+
+    mode: ResizeMode = "max_pixels"
+    """`max_pixels`, `presets` or `none` (see the module docstring)."""
+    max_pixels: int = 1024 * 1024
+    """Pixel budget per image in `max_pixels` mode."""
+    spatial_alignment: int = 32
+    """Every output side is a multiple of this (and of the encoder's spatial factor)."""
+    presets: tuple[tuple[int, int], ...] = ()
+    """(width, height) resolutions for `presets` mode."""
+    upscale: bool = False
+    """In `max_pixels` mode, also enlarge images smaller than the budget (as Qwen-Image-Edit does)."""
+
+    def alignment(self, spatial_factor: int) -> int:
+        """The step every side must be a multiple of."""
+        return math.lcm(self.spatial_alignment, spatial_factor)
+
+    def check(self, spatial_factor: int) -> None:
+        """Refuse settings that cannot produce aligned sizes, naming the setting."""
+        if self.spatial_alignment < 1:
+            raise ValueError(f"spatial_alignment: expected a positive integer, got {self.spatial_alignment}")
+        step = self.alignment(spatial_factor)
+        if self.mode == "max_pixels" and self.max_pixels < step * step:
+            raise ValueError(
+                f"max_pixels: expected at least {step * step} (one {step}x{step} cell), got {self.max_pixels}"
+            )
+        if self.mode == "presets":
+            if not self.presets:
+                raise ValueError("presets: expected at least one (width, height) for resize mode 'presets', got none")
+            for i, (width, height) in enumerate(self.presets):
+                if width <= 0 or height <= 0 or width % step or height % step:
+                    raise ValueError(f"presets[{i}]: expected positive multiples of {step}, got {width}x{height}")
+
+    def output_size(self, size: tuple[int, int], spatial_factor: int) -> tuple[int, int]:
+        """(width, height) an image of `size` becomes; ValueError if mode `none` finds it misaligned."""
+        width, height = size
+        step = self.alignment(spatial_factor)
+        if self.mode == "none":
+            if width % step or height % step:
+                raise ValueError(
+                    f"is {width}x{height} pixels, not a multiple of {step}; resize mode 'none' needs aligned images"
+                )
+            return size
+        if self.mode == "presets":
+            aspect = math.log(width / height)
+            return min(self.presets, key=lambda p: abs(math.log(p[0] / p[1]) - aspect))
+        scale = math.sqrt(self.max_pixels / (width * height))
+        if not self.upscale:
+            scale = min(scale, 1.0)
+        out_w = max(step, round(width * scale / step) * step)
+        out_h = max(step, round(height * scale / step) * step)
+        if out_w * out_h > self.max_pixels:
+            out_w = max(step, math.floor(width * scale / step) * step)
+            out_h = max(step, math.floor(height * scale / step) * step)
+        return out_w, out_h
+
+    def apply(self, image: Image.Image, spatial_factor: int) -> Image.Image:
+        """The image at its output size (unchanged if already there)."""
+        out_w, out_h = self.output_size(image.size, spatial_factor)
+        if (out_w, out_h) == image.size:
+            return image
+        if self.mode != "presets":
+            return image.resize((out_w, out_h), Image.Resampling.LANCZOS)
+        # Cover the preset, then crop the overflow evenly from both sides.
+        scale = max(out_w / image.width, out_h / image.height)
+        cover = (max(out_w, round(image.width * scale)), max(out_h, round(image.height * scale)))
+        resized = image.resize(cover, Image.Resampling.LANCZOS)
+        left, top = (cover[0] - out_w) // 2, (cover[1] - out_h) // 2
+        return resized.crop((left, top, left + out_w, top + out_h))
+
+    def to_json(self) -> dict[str, Any]:
+        """Provenance form (presets as lists)."""
+        data = asdict(self)
+        data["presets"] = [list(p) for p in self.presets]
+        return data
+
+
+def to_pixels(images: list[Image.Image]) -> torch.Tensor:
+    """Same-sized RGB images -> float32 `[B, 3, H, W]` in `[-1, 1]`, the encoders' input."""
+    array = np.stack([np.asarray(image.convert("RGB"), dtype=np.uint8) for image in images])
+    return torch.from_numpy(array).permute(0, 3, 1, 2).to(torch.float32) / 127.5 - 1.0

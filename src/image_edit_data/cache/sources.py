@@ -1,0 +1,272 @@
+"""Raw edit examples read by position: a JSONL manifest, or any sized sequence of `RawEditSample`.
+
+A source is read by position (0-based) so a build can give each rank a disjoint slice and resume
+where it stopped; `location(position)` names the manifest line or data set row for messages.
+Anything wrong with one example raises `BadSampleError`, which the build stops on or skips.
+The Hugging Face data set reader lives in `hf_source.py`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from PIL import Image, ImageOps
+
+from .records import RawEditSample
+
+# Kinds of bad input, used to count skipped samples by reason.
+INVALID_ENTRY = "invalid entry"
+MISSING_IMAGE = "missing image"
+UNREADABLE_IMAGE = "unreadable image"
+EMPTY_PROMPT = "empty prompt"
+NO_TARGET = "no target"
+NO_CONTEXT = "no context"
+DUPLICATE_ID = "duplicate id"
+PATH_OUTSIDE = "path outside source directory"
+MISALIGNED_IMAGE = "misaligned image"
+
+
+class BadSampleError(ValueError):
+    """One raw example cannot be used; says where it is (`location`), what kind of problem and why."""
+
+    def __init__(self, location: str, kind: str, problem: str) -> None:
+        super().__init__(f"{location}: {problem}")
+        self.location = location
+        self.kind = kind
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """A raw example with its stable position and the entries a payload passes through."""
+
+    position: int
+    location: str  # e.g. "edits.jsonl line 7" or "train.parquet row 12"
+    sample: RawEditSample
+    media: tuple[Mapping[str, Any], ...] = ()  # the manifest's media entries, untouched
+
+
+@runtime_checkable
+class EditSource(Protocol):
+    """What a cache build reads: a fixed number of examples, each by position."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, position: int) -> SourceRecord:
+        """The example at `position`; raises `BadSampleError` if it cannot be used."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """JSON provenance (kind, path, columns, row count); a resumed build must see the same."""
+        ...
+
+
+def open_image(data: bytes | str | Path, location: str, field: str) -> Image.Image:
+    """Decode an image file or bytes fully into RGB, honouring EXIF orientation."""
+    try:
+        with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as opened:
+            image = ImageOps.exif_transpose(opened).convert("RGB")
+    except FileNotFoundError:
+        raise BadSampleError(location, MISSING_IMAGE, f"{field}: file {str(data)!r} does not exist") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        what = "bytes" if isinstance(data, bytes) else f"file {str(data)!r}"
+        raise BadSampleError(location, UNREADABLE_IMAGE, f"{field}: {what} is not a readable image ({error})") from None
+    return image
+
+
+def inside(root: Path, relative: str, location: str, field: str) -> Path:
+    """Resolve `relative` under `root` (following symlinks) and refuse a path that leaves it."""
+    resolved = Path(os.path.realpath(os.path.join(root, relative)))
+    if root != resolved and root not in resolved.parents:
+        raise BadSampleError(
+            location, PATH_OUTSIDE, f"{field}: {relative!r} resolves to {resolved}, outside the directory {root}"
+        )
+    return resolved
+
+
+def first_positions(ids: Sequence[str | None]) -> dict[int, int]:
+    """For each position whose id was already used, the position that used it first."""
+    seen: dict[str, int] = {}
+    repeats: dict[int, int] = {}
+    for position, sample_id in enumerate(ids):
+        if sample_id is None:
+            continue
+        if sample_id in seen:
+            repeats[position] = seen[sample_id]
+        else:
+            seen[sample_id] = position
+    return repeats
+
+
+class SequenceSource:
+    """Any sized, indexable collection of `RawEditSample`, such as `DemoSource`."""
+
+    def __init__(self, samples: Sequence[RawEditSample], provenance: Mapping[str, Any]) -> None:
+        """
+        Args:
+            samples: The examples; `samples[i]` must always return the same example.
+            provenance: JSON description recorded in metadata.json (e.g. generator name and seed).
+        """
+        self.samples = samples
+        self.provenance = dict(provenance)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def location(self, position: int) -> str:
+        """`<kind> sample <position>`."""
+        return f"{self.provenance.get('kind', 'source')} sample {position}"
+
+    def read(self, position: int) -> SourceRecord:
+        """The example at `position`; refuses an empty prompt or a missing target or context."""
+        sample = self.samples[position]
+        where = self.location(position)
+        if not sample.prompt.strip():
+            raise BadSampleError(where, EMPTY_PROMPT, f"prompt: expected text, got {sample.prompt!r}")
+        if not sample.contexts:
+            raise BadSampleError(where, NO_CONTEXT, "contexts: expected at least one context image, got none")
+        return SourceRecord(position, where, sample)
+
+    def describe(self) -> dict[str, Any]:
+        """The provenance given at construction, plus the row count."""
+        return {**self.provenance, "rows": len(self)}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One parsed manifest line, or the reason it cannot be used."""
+
+    line: int
+    sample_id: str | None
+    prompt: str = ""
+    media: tuple[Mapping[str, Any], ...] = ()
+    metadata: Mapping[str, Any] | None = None
+    error: BadSampleError | None = None
+
+
+MEDIA_ROLES = ("target", "context", "condition")
+
+
+class JsonlManifestSource:
+    """NeMo Automodel's generic image-edit manifest: one JSON object per line.
+
+    Each object has `id`, `prompt`, an ordered `media` list of `{"role": "target"|"context"|"condition",
+    "file_name": ...}` with paths relative to the manifest's directory, and an optional `metadata`
+    object. Blank lines are ignored; positions count the other lines in order.
+    """
+
+    def __init__(self, manifest: str | Path) -> None:
+        """
+        Args:
+            manifest: The .jsonl file; every image it names must lie inside its directory.
+        """
+        self.manifest = Path(manifest)
+        if not self.manifest.is_file():
+            raise FileNotFoundError(f"{self.manifest}: manifest file does not exist")
+        self.root = Path(os.path.realpath(self.manifest.parent))
+        self.name = str(manifest)
+        entries: list[_Entry] = []
+        with self.manifest.open("r", encoding="utf-8") as stream:
+            for number, text in enumerate(stream, start=1):
+                if text.strip():
+                    entries.append(self._parse(number, text))
+        repeats = first_positions([e.sample_id for e in entries])
+        for position, first in repeats.items():
+            entry = entries[position]
+            if entry.error is None:
+                problem = f"id: {entry.sample_id!r} is already used on line {entries[first].line}"
+                error = BadSampleError(self._where(entry.line), DUPLICATE_ID, problem)
+                entries[position] = _Entry(entry.line, entry.sample_id, error=error)
+        self.entries = entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def _where(self, line: int) -> str:
+        return f"{self.name} line {line}"
+
+    def location(self, position: int) -> str:
+        """`<manifest> line <n>` of the entry at `position`."""
+        return self._where(self.entries[position].line)
+
+    def _parse(self, line: int, text: str) -> _Entry:
+        """Check the fields of one line (images are opened later, in `read`)."""
+        where = self._where(line)
+
+        def bad(kind: str, problem: str, sample_id: str | None = None) -> _Entry:
+            return _Entry(line, sample_id, error=BadSampleError(where, kind, problem))
+
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as error:
+            return bad(INVALID_ENTRY, f"not valid JSON ({error.msg} at column {error.colno})")
+        if not isinstance(obj, dict):
+            return bad(INVALID_ENTRY, f"expected a JSON object, got {type(obj).__name__}")
+        raw_id = obj.get("id")
+        if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
+            return bad(INVALID_ENTRY, f"id: expected a non-empty string or integer, got {raw_id!r}")
+        sample_id = str(raw_id)
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip():
+            return bad(EMPTY_PROMPT, f"prompt: expected non-empty text, got {prompt!r}", sample_id)
+        media = obj.get("media")
+        if not isinstance(media, list):
+            return bad(
+                INVALID_ENTRY, f"media: expected a list of {{role, file_name}} objects, got {media!r}", sample_id
+            )
+        for i, item in enumerate(media):
+            if not isinstance(item, dict) or item.get("role") not in MEDIA_ROLES:
+                got = item.get("role") if isinstance(item, dict) else item
+                problem = f"media[{i}].role: expected one of {', '.join(MEDIA_ROLES)}, got {got!r}"
+                return bad(INVALID_ENTRY, problem, sample_id)
+            if not isinstance(item.get("file_name"), str) or not item["file_name"]:
+                problem = f"media[{i}].file_name: expected a non-empty path, got {item.get('file_name')!r}"
+                return bad(INVALID_ENTRY, problem, sample_id)
+        roles = [item["role"] for item in media]
+        if roles.count("target") != 1:
+            kind = NO_TARGET if "target" not in roles else INVALID_ENTRY
+            return bad(
+                kind, f"media: expected exactly one entry with role 'target', got {roles.count('target')}", sample_id
+            )
+        if "context" not in roles:
+            return bad(NO_CONTEXT, "media: expected at least one entry with role 'context', got none", sample_id)
+        metadata = obj.get("metadata", {})
+        if not isinstance(metadata, dict):
+            return bad(INVALID_ENTRY, f"metadata: expected an object, got {type(metadata).__name__}", sample_id)
+        return _Entry(line, sample_id, prompt, tuple(media), metadata)
+
+    def read(self, position: int) -> SourceRecord:
+        """Open the entry's images (target, then contexts in manifest order)."""
+        entry = self.entries[position]
+        if entry.error is not None:
+            raise entry.error
+        where = self._where(entry.line)
+        target: Image.Image | None = None
+        contexts: list[Image.Image] = []
+        for i, item in enumerate(entry.media):
+            # TODO(conditioning): `condition` media (e.g. masks) are not encoded yet; they pass through in `media`.
+            if item["role"] == "condition":
+                continue
+            field = f"media[{i}].file_name"
+            path = inside(self.root, item["file_name"], where, field)
+            if not path.is_file():
+                raise BadSampleError(where, MISSING_IMAGE, f"{field}: {item['file_name']!r} does not exist ({path})")
+            image = open_image(path, where, field)
+            if item["role"] == "target":
+                target = image
+            else:
+                contexts.append(image)
+        if target is None:  # unreachable after _parse, kept so the type is narrowed without assert
+            raise BadSampleError(where, NO_TARGET, "media: no entry with role 'target'")
+        sample = RawEditSample(entry.sample_id or "", entry.prompt, target, tuple(contexts), entry.metadata or {})
+        return SourceRecord(position, where, sample, entry.media)
+
+    def describe(self) -> dict[str, Any]:
+        """Kind, absolute manifest path and number of entries."""
+        return {"kind": "jsonl", "path": str(self.manifest.resolve()), "rows": len(self)}
