@@ -1,0 +1,92 @@
+"""`cache validate`: load every payload through the dataset's own checks and report every bad one.
+
+Exit codes: 0 sound, 1 at least one bad sample, 2 the index itself cannot be opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jsonargparse import Namespace
+from rich.console import Console
+from rich.table import Table
+
+from ..dataset import ImageEditDataset
+from ..validate import CacheFormatError
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason one sample is bad."""
+
+    index: int
+    file: str
+    field: str
+    reason: str
+
+
+def nonfinite(tensor: torch.Tensor) -> str | None:
+    """`N NaN and M Inf values` if the tensor has any, else None."""
+    if not tensor.is_floating_point():
+        return None
+    nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    return f"{nan} NaN and {inf} Inf values" if nan or inf else None
+
+
+def check_sample(dataset: ImageEditDataset, index: int, check_finite: bool) -> list[Problem]:
+    """Every problem of sample `index` (the contract's first violation, or each non-finite tensor)."""
+    file = dataset.index.relative_path(index)
+    try:
+        sample = dataset[index]
+    except CacheFormatError as error:
+        return [Problem(index, error.file, error.field, error.problem)]
+    except Exception as error:  # a validator must report, not stop at, whatever a broken file raises
+        return [Problem(index, file, "payload", f"{type(error).__name__}: {error}")]
+    if not check_finite:
+        return []
+    tensors: list[tuple[str, Any]] = [("target_latent", sample["target_latent"])]
+    tensors += [(f"context_latents[{i}]", c) for i, c in enumerate(sample["context_latents"])]
+    tensors += [("prompt_embeddings", sample["prompt_embeddings"])]
+    tensors += [(f"conditioning_tensors.{k}", v) for k, v in sample["conditioning_tensors"].items()]
+    return [Problem(index, file, name, f"contains {bad}") for name, t in tensors if (bad := nonfinite(t))]
+
+
+def check_cache(
+    dataset: ImageEditDataset,
+    check_finite: bool = False,
+    workers: int = 8,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> list[Problem]:
+    """Problems of every sample, in index order."""
+    problems: list[Problem] = []
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for done, found in enumerate(pool.map(lambda i: check_sample(dataset, i, check_finite), range(len(dataset)))):
+            problems.extend(found)
+            if on_progress is not None:
+                on_progress(done + 1, len(dataset))
+    return problems
+
+
+def validate_main(args: Namespace, console: Console) -> int:
+    """Run `cache validate` and print the bad samples."""
+    try:
+        dataset = ImageEditDataset(args.cache_dir)
+    except (ValueError, OSError) as error:
+        console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
+        return 2
+    problems = check_cache(dataset, args.check_finite, args.workers)
+    if not problems:
+        finite = ", all values finite" if args.check_finite else ""
+        console.print(f"[green]ok:[/green] {len(dataset)} samples in {dataset.index.root} load and validate{finite}")
+        return 0
+    table = Table(title=f"{len({p.index for p in problems})} of {len(dataset)} samples are bad")
+    for column in ("file", "field", "reason"):
+        table.add_column(column, overflow="fold")
+    for problem in problems:
+        table.add_row(problem.file, problem.field, problem.reason)
+    console.print(table)
+    return 1

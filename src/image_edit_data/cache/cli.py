@@ -1,0 +1,126 @@
+"""`image-edit-data cache build|validate|inspect` and `image-edit-data demo-cache`: parse, run, report.
+
+Each entry point takes argv (without the program and command names) and returns an exit code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from jsonargparse import ActionYesNo, ArgumentParser
+from rich.console import Console
+
+from .build import BuildOptions
+from .build_cli import build_parser, execute, run_build
+from .resize import ResizePolicy
+from .sources import BadSampleError, SequenceSource
+
+DEMO_IMAGE_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoImageEncoder", "init_args": {}}
+DEMO_TEXT_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoTextEncoder", "init_args": {}}
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeError)
+
+
+def cache_parser() -> ArgumentParser:
+    """`cache build|validate|inspect`."""
+    parser = ArgumentParser(
+        prog="image-edit-data cache", description="Build, validate or inspect a cache.", exit_on_error=False
+    )
+    commands = parser.add_subcommands(dest="command")
+    commands.add_subcommand("build", build_parser(), help="Encode raw examples into a cache (resumable).")
+    validate = ArgumentParser(description="Load and check every payload.", exit_on_error=False)
+    validate.add_argument("cache_dir", type=str)
+    validate.add_argument("--check-finite", action=ActionYesNo, default=False, help="Also report NaN/Inf values.")
+    validate.add_argument("--workers", type=int, default=8, help="Threads loading payloads.")
+    commands.add_subcommand("validate", validate, help="Exit 0 if sound, 1 if a sample is bad, 2 if the index is.")
+    inspect = ArgumentParser(description="Bucket table and token statistics.", exit_on_error=False)
+    inspect.add_argument("cache_dir", type=str)
+    inspect.add_argument("--histogram", type=str | None, default=None, help="Write shape/token plots to this PNG.")
+    inspect.add_argument("--patch-size", type=int | None, default=None, help="Latent cells per token side.")
+    commands.add_subcommand("inspect", inspect, help="Print the bucket table.")
+    return parser
+
+
+def make_console() -> Console:
+    """Console output; when piped, 160 columns wide so bucket signatures and paths stay on one line."""
+    console = Console(soft_wrap=True)
+    return console if console.is_terminal else Console(soft_wrap=True, width=160)
+
+
+def cache_main(argv: list[str]) -> int:
+    """`image-edit-data cache ...`; returns the exit code."""
+    console = make_console()
+    try:
+        args = cache_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    except Exception as error:  # jsonargparse reports bad options as ArgumentError/TypeError
+        console.print(f"[red]error:[/red] {error}", highlight=False)
+        return 2
+    command = args.command
+    try:
+        if command == "build":
+            return run_build(args.build, console)
+        if command == "validate":
+            from .check import validate_main
+
+            return validate_main(args.validate, console)
+        from .inspect import inspect_main
+
+        return inspect_main(args.inspect, console)
+    except BadSampleError as error:
+        console.print(
+            f"[red]bad sample:[/red] {error}\n(use --on-bad-sample skip to leave such samples out)", highlight=False
+        )
+        return 1
+    except USER_ERRORS as error:
+        console.print(f"[red]error:[/red] {error}", highlight=False)
+        return 1
+
+
+def demo_cache_main(argv: list[str]) -> int:
+    """`image-edit-data demo-cache OUT_DIR --num-samples N --seed S --format pt|safetensors`."""
+    parser = ArgumentParser(
+        prog="image-edit-data demo-cache",
+        exit_on_error=False,
+        description="Build a cache of procedural demo edits with the weight-free demo encoders.",
+    )
+    parser.add_argument("out_dir", type=str, help="Cache directory to create or resume.")
+    parser.add_argument("--num-samples", type=int, default=2000, help="Examples to generate.")
+    parser.add_argument("--seed", type=int, default=0, help="Picks a different, reproducible set of examples.")
+    parser.add_argument("--format", type=Literal["pt", "safetensors"], default="pt", help="Payload format.")
+    parser.add_argument("--batch-size", type=int, default=32, help="Images or prompts per encoder call.")
+    parser.add_argument("--quiet", action=ActionYesNo, default=False, help="No progress bar.")
+    console = make_console()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    except Exception as error:
+        console.print(f"[red]error:[/red] {error}", highlight=False)
+        return 2
+    from .demo import DemoSource
+
+    source = SequenceSource(DemoSource(args.num_samples, args.seed), {"kind": "demo", "seed": args.seed})
+    # Demo images are generated at multiples of 16 px, so they need no resizing.
+    options = BuildOptions(
+        payload_format=args.format, resize=ResizePolicy("none", spatial_alignment=16), batch_size=args.batch_size
+    )
+    try:
+        code = execute(
+            args.out_dir,
+            source,
+            DEMO_IMAGE_ENCODER,
+            DEMO_TEXT_ENCODER,
+            options,
+            console,
+            rank=0,
+            world_size=1,
+            merge_only=False,
+            quiet=args.quiet,
+        )
+    except USER_ERRORS as error:
+        console.print(f"[red]error:[/red] {error}", highlight=False)
+        return 1
+    console.print(f"train with cache_dir={Path(args.out_dir).resolve()}")
+    return code

@@ -1,0 +1,118 @@
+"""Prepare (read and resize) and encode a window of samples.
+
+Targets and contexts of every sample in the window go into one pool, grouped by (width, height), so
+the image encoder only ever sees same-sized batches. Batches are formed in a fixed order (sizes
+sorted, then sample and slot order), so the same window always gives the same batches.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .encoders import ImageEncoder, TextEncoder
+from .resize import ResizePolicy, to_pixels
+from .sources import MISALIGNED_IMAGE, BadSampleError, EditSource, SourceRecord
+from .writer import EncodedSample
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A source record with its images at encoder-ready sizes."""
+
+    source: SourceRecord
+    target: Image.Image
+    contexts: tuple[Image.Image, ...]
+    original_pixel_shapes: Mapping[str, Any]
+
+
+def prepare(source: EditSource, position: int, policy: ResizePolicy, factor: int) -> Prepared | BadSampleError:
+    """Read and resize one example, or return why it is bad."""
+    try:
+        record = source.read(position)
+    except BadSampleError as error:
+        return error
+    sample = record.sample
+    named = [("target image", sample.target), *((f"context image {i}", c) for i, c in enumerate(sample.contexts))]
+    images = []
+    for what, image in named:
+        try:
+            images.append(policy.apply(image, factor))
+        except ValueError as error:
+            return BadSampleError(record.location, MISALIGNED_IMAGE, f"{what} {error}")
+    shapes = {"target": list(sample.target.size[::-1]), "contexts": [list(c.size[::-1]) for c in sample.contexts]}
+    return Prepared(record, images[0], tuple(images[1:]), shapes)
+
+
+def _name(encoder: Any) -> str:
+    return f"{type(encoder).__module__}.{type(encoder).__qualname__}"
+
+
+def encode_images(
+    images: Sequence[Image.Image], encoder: ImageEncoder, batch_size: int, factor: int
+) -> list[torch.Tensor]:
+    """Latents `[C, h, w]` for each image (PIL), in input order."""
+    slots: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, image in enumerate(images):
+        slots[image.size].append(i)
+    latents: list[torch.Tensor | None] = [None] * len(images)
+    for (width, height), members in sorted(slots.items()):
+        for start in range(0, len(members), batch_size):
+            chunk = members[start : start + batch_size]
+            out = encoder.encode(to_pixels([images[i] for i in chunk]))
+            expected = (len(chunk), height // factor, width // factor)
+            if out.ndim != 4 or (out.shape[0], *out.shape[2:]) != expected:
+                raise ValueError(
+                    f"image_encoder {_name(encoder)}: encode returned shape {list(out.shape)} for "
+                    f"{len(chunk)} images of {width}x{height}; expected [{len(chunk)}, C, {height // factor}, "
+                    f"{width // factor}] (spatial_factor {factor})"
+                )
+            for k, i in enumerate(chunk):
+                latents[i] = out[k].detach().cpu().clone()  # a copy, so saving it does not save the whole batch
+    return [latent for latent in latents if latent is not None]
+
+
+def encode_prompts(
+    prompts: Sequence[str], encoder: TextEncoder, batch_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(embeddings `[S, D]`, mask `[S]`) per prompt, in input order."""
+    results: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start : start + batch_size])
+        out = encoder.encode(chunk)
+        if len(out) != len(chunk):
+            raise ValueError(
+                f"text_encoder {_name(encoder)}: encode returned {len(out)} results for {len(chunk)} prompts"
+            )
+        for embeddings, mask in out:
+            if embeddings.ndim != 2 or mask.ndim != 1 or mask.shape[0] != embeddings.shape[0]:
+                raise ValueError(
+                    f"text_encoder {_name(encoder)}: expected embeddings [S, D] and mask [S], "
+                    f"got {list(embeddings.shape)} and {list(mask.shape)}"
+                )
+            results.append((embeddings.detach().cpu().clone(), mask.detach().cpu().clone()))
+    return results
+
+
+def encode_window(
+    prepared: Sequence[Prepared],
+    image_encoder: ImageEncoder,
+    text_encoder: TextEncoder,
+    batch_size: int,
+    factor: int,
+) -> list[EncodedSample]:
+    """Encode the images and prompts of `prepared`, keeping its order."""
+    images = [image for p in prepared for image in (p.target, *p.contexts)]
+    latents = iter(encode_images(images, image_encoder, batch_size, factor))
+    prompts = encode_prompts([p.source.sample.prompt for p in prepared], text_encoder, batch_size)
+    encoded = []
+    for p, (embeddings, mask) in zip(prepared, prompts):
+        target = next(latents)
+        contexts = tuple(next(latents) for _ in p.contexts)
+        encoded.append(EncodedSample(p.source, target, contexts, embeddings, mask, p.original_pixel_shapes))
+    return encoded

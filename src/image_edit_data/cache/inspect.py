@@ -1,0 +1,113 @@
+"""`cache inspect`: the bucket table (signature, count, share, latent tokens, text tokens) and plots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from jsonargparse import Namespace
+from rich.console import Console
+from rich.table import Table
+
+from ..buckets import Signature
+from ..index import UNKNOWN, CacheIndex, load_index
+from .writer import token_count
+
+
+@dataclass(frozen=True)
+class BucketRow:
+    """One bucket of a cache."""
+
+    signature: Signature
+    count: int
+    share: float  # of all samples, 0..1
+    latent_tokens: int  # target + contexts, per sample
+    text_tokens: tuple[int, float, int] | None  # min, mean, max; None when the index does not say
+
+
+def latent_tokens(signature: Signature, patch_size: int) -> int:
+    """Image tokens of one sample: target plus every context."""
+    return sum(token_count(h, w, patch_size) for _, h, w in (signature.target, *signature.contexts))
+
+
+def patch_size_of(index: CacheIndex) -> int:
+    """The token patch size the cache was built with (2, the reference's, if not recorded)."""
+    config = index.manifest.get("preprocessing_config")
+    value = config.get("token_patch_size") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and value > 0 else 2
+
+
+def bucket_rows(index: CacheIndex, patch_size: int) -> list[BucketRow]:
+    """Buckets in the index's order (cheapest first)."""
+    total = max(len(index), 1)
+    rows = []
+    for signature, members in zip(index.signatures, index.bucket_members()):
+        text = index.text_tokens[members]
+        text = text[text != UNKNOWN]
+        stats = (int(text.min()), float(text.mean()), int(text.max())) if text.size else None
+        rows.append(
+            BucketRow(signature, len(members), len(members) / total, latent_tokens(signature, patch_size), stats)
+        )
+    return rows
+
+
+def render_table(index: CacheIndex, rows: list[BucketRow], patch_size: int) -> Table:
+    """The rich table of `rows`."""
+    table = Table(
+        title=f"{index.root}: {len(index)} samples in {len(rows)} buckets (tokens: {patch_size}x{patch_size} "
+        "latent patches)"
+    )
+    table.add_column("signature", no_wrap=True)
+    for name in ("count", "share %", "image tokens", "text min", "text mean", "text max"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in rows:
+        text = ["n/a"] * 3
+        if row.text_tokens is not None:
+            text = [str(row.text_tokens[0]), f"{row.text_tokens[1]:.1f}", str(row.text_tokens[2])]
+        table.add_row(row.signature.describe(), str(row.count), f"{100 * row.share:.1f}", str(row.latent_tokens), *text)
+    return table
+
+
+def write_histogram(index: CacheIndex, rows: list[BucketRow], path: Path) -> None:
+    """A PNG with samples per bucket, latent tokens per sample and text tokens per sample."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(14, 4.5 + 0.2 * len(rows)), layout="constrained")
+    shapes, latent, text = figure.subplots(1, 3, width_ratios=(2, 1, 1))
+    labels = [row.signature.describe() for row in rows]
+    shapes.barh(range(len(rows)), [row.count for row in rows], color="tab:blue")
+    shapes.set_yticks(range(len(rows)), labels, fontsize=7)
+    shapes.invert_yaxis()
+    shapes.set_xlabel("samples")
+    shapes.set_title("samples per shape bucket")
+    per_sample = np.repeat([row.latent_tokens for row in rows], [row.count for row in rows])
+    latent.hist(per_sample, bins=min(50, max(1, len(rows))), color="tab:green")
+    latent.set_xlabel("image tokens per sample (target + contexts)")
+    latent.set_title("latent tokens")
+    known = index.text_tokens[index.text_tokens != UNKNOWN]
+    if known.size:
+        text.hist(known, bins=min(50, max(1, len(np.unique(known)))), color="tab:orange")
+    else:
+        text.text(0.5, 0.5, "not recorded in the index", ha="center", va="center")
+    text.set_xlabel("text tokens per sample")
+    text.set_title("prompt tokens")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(figure).print_png(str(path))
+
+
+def inspect_main(args: Namespace, console: Console) -> int:
+    """Run `cache inspect`: print the table, optionally write the PNG."""
+    try:
+        index = load_index(args.cache_dir)
+    except (ValueError, OSError) as error:
+        console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
+        return 2
+    patch_size = args.patch_size or patch_size_of(index)
+    rows = bucket_rows(index, patch_size)
+    console.print(render_table(index, rows, patch_size))
+    if args.histogram:
+        write_histogram(index, rows, Path(args.histogram))
+        console.print(f"histogram written to {args.histogram}")
+    return 0

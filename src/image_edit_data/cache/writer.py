@@ -1,0 +1,117 @@
+"""One payload per encoded sample: its file name, the payload dict with its metadata, its index record."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..buckets import Signature
+from ..payload import PayloadFormat, save_payload
+from .sources import SourceRecord
+
+StoreDtype = Literal["float32", "bfloat16", "float16"]
+STORE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAMPLES_DIR = "samples"
+# atomic_writer's temporaries: `.<final name>.<random>.tmp` beside the final file.
+_TEMPORARY = re.compile(r"^\.sample_(\d+)\.(pt|safetensors)\..*\.tmp$")
+
+
+def payload_name(position: int, payload_format: PayloadFormat) -> str:
+    """Path of the payload of source position `position`, relative to the cache directory."""
+    return f"{SAMPLES_DIR}/sample_{position:08d}.{payload_format}"
+
+
+def token_count(height: int, width: int, patch_size: int) -> int:
+    """Transformer tokens of a latent grid cut into `patch_size` x `patch_size` patches (edges rounded up)."""
+    return math.ceil(height / patch_size) * math.ceil(width / patch_size)
+
+
+@dataclass(frozen=True)
+class EncodedSample:
+    """A source record with its latents and prompt encoding, ready to be written."""
+
+    source: SourceRecord
+    target_latent: torch.Tensor  # [C, H, W]
+    context_latents: tuple[torch.Tensor, ...]  # [C, h_i, w_i], ordered
+    prompt_embeddings: torch.Tensor  # [S, D]
+    prompt_attention_mask: torch.Tensor  # [S]
+    original_pixel_shapes: Mapping[str, Any]  # {"target": [H, W], "contexts": [[h, w], ...]} before resizing
+
+
+def assemble(
+    sample: EncodedSample, payload_format: PayloadFormat, token_patch_size: int, store_dtype: StoreDtype
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The payload dict (contract layout) and the index record of one sample."""
+    signature = Signature(
+        target=tuple(sample.target_latent.shape),  # type: ignore[arg-type]
+        contexts=tuple(tuple(c.shape) for c in sample.context_latents),  # type: ignore[arg-type]
+    )
+    target_tokens = token_count(*signature.target[1:], token_patch_size)
+    context_tokens = [token_count(*c[1:], token_patch_size) for c in signature.contexts]
+    text_tokens = int(sample.prompt_attention_mask.bool().sum())
+    raw = sample.source.sample
+    dtype = STORE_DTYPES[store_dtype]
+    metadata = {
+        "original_ids": {"id": raw.sample_id},
+        "target_spatial_shape": list(signature.target[1:]),
+        "context_spatial_shapes": [list(c[1:]) for c in signature.contexts],
+        "compound_bucket_signature": signature.to_json(),
+        "conditioning_shapes": {},
+        "target_token_length": target_tokens,
+        "context_token_lengths": context_tokens,
+        "text_token_length": text_tokens,
+        "row_index": sample.source.position,
+        "manifest_metadata": dict(raw.metadata),
+        "media": [dict(m) for m in sample.source.media],
+        "original_pixel_shapes": dict(sample.original_pixel_shapes),
+    }
+    payload = {
+        "target_latent": sample.target_latent.to(dtype).contiguous(),
+        "context_latents": [c.to(dtype).contiguous() for c in sample.context_latents],
+        "prompt_embeddings": sample.prompt_embeddings.to(dtype).contiguous(),
+        "prompt_attention_mask": sample.prompt_attention_mask.contiguous(),
+        "conditioning_tensors": {},
+        "metadata": metadata,
+    }
+    record = {
+        "cache_file": payload_name(sample.source.position, payload_format),
+        "compound_bucket_signature": signature.to_json(),
+        "original_id": raw.sample_id,
+        "row_index": sample.source.position,
+        "target_token_length": target_tokens,
+        "context_token_lengths": context_tokens,
+        "text_token_length": text_tokens,
+    }
+    return payload, record
+
+
+def write_sample(
+    root: Path, sample: EncodedSample, payload_format: PayloadFormat, token_patch_size: int, store_dtype: StoreDtype
+) -> dict[str, Any]:
+    """Write the sample's payload atomically under `root` and return its index record."""
+    payload, record = assemble(sample, payload_format, token_patch_size, store_dtype)
+    save_payload(root / record["cache_file"], payload)
+    return record
+
+
+def remove_stale_temporaries(root: Path, rank: int, world_size: int) -> int:
+    """Delete payload temporaries a killed run of this rank's slice left behind; return how many."""
+    samples = root / SAMPLES_DIR
+    if not samples.is_dir():
+        return 0
+    removed = 0
+    for path in samples.iterdir():
+        match = _TEMPORARY.match(path.name)
+        # Other ranks may be writing their own temporaries right now; only this slice's are stale.
+        if match and int(match.group(1)) % world_size == rank:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+    return removed
