@@ -1,0 +1,202 @@
+"""`ImageEditDataModule`: dataset, bucket sampler and collate behind Lightning's hooks, resumable.
+
+The DataModule is the one owner of the data position. Its `state_dict()` records the epoch and
+the batches *trained on* (read from Lightning's fit loop, which never counts prefetched
+batches) plus a fingerprint of the cache and data config; `load_state_dict()` keeps it until
+`train_dataloader()` builds the sampler at that position. The loader itself reports no state,
+so Lightning's own loader restore cannot skip the same batches a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+
+from .dataset import ImageEditDataset
+from .lightning_loader import LightningLoader
+from .loader import ImageEditDataloaderConfig
+from .plan import BucketOrder
+from .sampler import ResumeMismatchError, migrate_state
+
+log = logging.getLogger(__name__)
+ResumeMismatch = Literal["raise", "restart_epoch"]
+
+
+class ImageEditDataModule(pl.LightningDataModule):
+    """Cached image-edit data for any `Trainer`, with exact mid-epoch resume.
+
+    Args:
+        cache_dir: Training cache directory (metadata.json, shards, payloads).
+        batch_size: Samples per batch and rank (the base size when `dynamic_batch_size`).
+        val_cache_dir: Optional validation cache; every sample is seen once per validation run.
+        quantization: Pixel cell size used by the dynamic batch size's cost.
+        base_resolution: (width, height) at which a dynamic batch holds exactly `batch_size` samples.
+        drop_last: Drop each bucket's short last batch in training.
+        shuffle: Shuffle training samples and batch order from (seed, epoch).
+        dynamic_batch_size: Size each bucket's batches to one latent-token budget (target + contexts).
+        num_workers: Loader worker processes per rank; may change between save and resume.
+        pin_memory: Pin batches in page-locked memory (only when CUDA is available).
+        prefetch_factor: Batches each worker loads ahead.
+        seed: Seed of every shuffle; the same on all ranks.
+        bucket_order: "interleaved" mixes batches of all buckets; "sequential" runs bucket after bucket.
+        latent_scale: Pixels per latent position (the VAE's downsampling) for the dynamic cost.
+        elastic: Allow resuming mid-epoch on a different number of ranks.
+        on_resume_mismatch: "raise" refuses a checkpoint whose data or config differ; "restart_epoch"
+            deliberately reshuffles: it keeps the epoch number and starts that epoch afresh.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        batch_size: int = 4,
+        val_cache_dir: str | None = None,
+        quantization: int = 64,
+        base_resolution: tuple[int, int] = (1024, 1024),
+        drop_last: bool = True,
+        shuffle: bool = True,
+        dynamic_batch_size: bool = False,
+        num_workers: int = 2,
+        pin_memory: bool = True,
+        prefetch_factor: int = 2,
+        seed: int = 42,
+        bucket_order: BucketOrder = "interleaved",
+        latent_scale: int = 8,
+        elastic: bool = False,
+        on_resume_mismatch: ResumeMismatch = "raise",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if on_resume_mismatch not in ("raise", "restart_epoch"):
+            raise ValueError(f"on_resume_mismatch must be 'raise' or 'restart_epoch', got {on_resume_mismatch!r}")
+        self.batch_size = batch_size
+        self.val_cache_dir = val_cache_dir
+        self.on_resume_mismatch = on_resume_mismatch
+        self.config = ImageEditDataloaderConfig(
+            cache_dir=cache_dir,
+            quantization=quantization,
+            base_resolution=tuple(base_resolution),  # type: ignore[arg-type]
+            drop_last=drop_last,
+            shuffle=shuffle,
+            dynamic_batch_size=dynamic_batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+            seed=seed,
+            bucket_order=bucket_order,
+            latent_scale=latent_scale,
+            elastic=elastic,
+        )
+        self.train_dataset: ImageEditDataset | None = None
+        self.val_dataset: ImageEditDataset | None = None
+        self.train_loader: LightningLoader | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._segment_start = 0  # fit-loop batches already counted before this sampler's segment began
+
+    def setup(self, stage: str) -> None:
+        """Open the caches this stage needs (index only: cheap, and done once)."""
+        if stage == "fit" and self.train_dataset is None:
+            self.train_dataset = ImageEditDataset(self.config.cache_dir, quantization=self.config.quantization)
+        if stage in ("fit", "validate") and self.val_cache_dir and self.val_dataset is None:
+            self.val_dataset = ImageEditDataset(self.val_cache_dir, quantization=self.config.quantization)
+        if stage == "test" and self.val_dataset is None:
+            self.val_dataset = ImageEditDataset(self.val_cache_dir or self.config.cache_dir, self.config.quantization)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, world size) of data parallelism, as Lightning's strategy shards data."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+    def train_dataloader(self) -> LightningLoader:
+        """This rank's training loader, positioned at the restored or current epoch."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        rank, world = self.data_parallel()
+        epoch = self.trainer.fit_loop.epoch_progress.current.processed if self.trainer is not None else 0
+        built = self.config.build_for(
+            dataset=self.train_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, epoch=epoch
+        )
+        sampler = built.sampler
+        sampler.max_batches = self.batch_limit(len(sampler))
+        if self._pending_state is not None:
+            self.restore_position(sampler, self._pending_state)
+            self._pending_state = None
+        self._segment_start = self.fit_batches_done() - sampler.consumed if sampler.history else 0
+        self.train_loader = LightningLoader(built.dataloader, sampler)
+        return self.train_loader
+
+    def restore_position(self, sampler: Any, state: dict[str, Any]) -> None:
+        """Apply a checkpointed position, or restart the epoch when the user chose to reshuffle."""
+        try:
+            sampler.load_state_dict(state)
+        except ResumeMismatchError as error:
+            if self.on_resume_mismatch == "raise":
+                raise ResumeMismatchError(
+                    f"{error}. To continue anyway with a fresh shuffle of epoch {state['epoch']}, "
+                    "set on_resume_mismatch='restart_epoch' on the data module."
+                ) from None
+            log.warning("%s; restarting epoch %s as on_resume_mismatch='restart_epoch' asks", error, state["epoch"])
+            sampler.advance_epoch(int(state["epoch"]))
+
+    def batch_limit(self, batches: int) -> int | None:
+        """Batches Lightning will take per epoch under `limit_train_batches`, so the sampler ends there too."""
+        if self.trainer is None:
+            return None
+        limit = self.trainer.limit_train_batches
+        if limit is None:
+            return None
+        if isinstance(limit, int):
+            return min(batches, limit)
+        return int(batches * limit) if limit < 1.0 else None
+
+    def fit_batches_done(self) -> int:
+        """Batches the fit loop has trained on in its current epoch (0 at an epoch's start)."""
+        if self.trainer is None:
+            return 0
+        loop = self.trainer.fit_loop
+        progress = loop.epoch_progress.current
+        return 0 if progress.processed == progress.started else loop.epoch_loop.batch_progress.current.processed
+
+    def val_dataloader(self) -> LightningLoader | list:
+        """Validation loader: fixed order, no rank padding, batches dealt round-robin to ranks."""
+        if self.val_dataset is None and self.val_cache_dir:
+            self.setup("validate")
+        return self.eval_loader() if self.val_dataset is not None else []
+
+    def test_dataloader(self) -> LightningLoader:
+        """Test loader over `val_cache_dir` (or the training cache when none is set)."""
+        if self.val_dataset is None:
+            self.setup("test")
+        return self.eval_loader()
+
+    def eval_loader(self) -> LightningLoader:
+        """A loader that shows every evaluation sample exactly once across ranks."""
+        rank, world = self.data_parallel()
+        built = self.config.build_for(
+            dataset=self.val_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, evaluation=True
+        )
+        return LightningLoader(built.dataloader, built.sampler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, batches trained on and fingerprint: the same on every rank, as rank 0's is the one saved."""
+        if self.train_loader is None or self.trainer is None:
+            return {}
+        sampler = self.train_loader.batch_sampler
+        state = sampler.state_dict()
+        progress = self.trainer.fit_loop.epoch_progress.current
+        state["epoch"] = progress.processed
+        state["consumed"] = self.fit_batches_done() - self._segment_start
+        if progress.processed != sampler.epoch:
+            state["history"] = []  # saved at an epoch boundary: the next epoch starts fresh
+            state["consumed"] = 0
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep a checkpointed position until `train_dataloader()` builds the sampler."""
+        if not state_dict:
+            return
+        self._pending_state = migrate_state(state_dict)
