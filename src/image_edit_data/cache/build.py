@@ -28,6 +28,9 @@ from .sources import BadSampleError, EditSource
 from .writer import StoreDtype, payload_name, remove_stale_temporaries, write_sample
 
 WINDOW_BATCHES = 4
+# Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
+# as left over from an earlier launch (each rank also deletes its own marker when it starts).
+FAILURE_GRACE = 60.0
 EncoderSpec = Mapping[str, Any]  # {"class_path": "package.module.Class", "init_args": {...}}
 
 
@@ -165,7 +168,7 @@ def build_cache(
         entries = wait_for_journals(
             root,
             rows,
-            since=wall_start - 1.0,
+            since=wall_start - FAILURE_GRACE,
             timeout=options.merge_timeout,
             poll_interval=options.poll_interval,
             log=say,

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from jsonargparse import Namespace
 from rich.console import Console
-from rich.table import Table
 
 from ..dataset import ImageEditDataset
 from ..validate import CacheFormatError
@@ -83,10 +82,8 @@ def validate_main(args: Namespace, console: Console) -> int:
         finite = ", all values finite" if args.check_finite else ""
         console.print(f"[green]ok:[/green] {len(dataset)} samples in {dataset.index.root} load and validate{finite}")
         return 0
-    table = Table(title=f"{len({p.index for p in problems})} of {len(dataset)} samples are bad")
-    for column in ("file", "field", "reason"):
-        table.add_column(column, overflow="fold")
+    bad = len({p.index for p in problems})
+    console.print(f"[red]{bad} of {len(dataset)} samples are bad[/red] in {dataset.index.root}:", highlight=False)
     for problem in problems:
-        table.add_row(problem.file, problem.field, problem.reason)
-    console.print(table)
+        console.print(f"{problem.file}: {problem.field}: {problem.reason}", highlight=False, markup=False)
     return 1

@@ -60,9 +60,10 @@ def wait_for_journals(
                 f"{root}: rank {rank} stopped, so the index was not merged ({missing} samples not done): {message}"
             )
         if time.monotonic() >= deadline:
+            older = "".join(f" Rank {r} earlier reported: {m}." for r, m in failures(root, 0.0).items())
             raise TimeoutError(
                 f"{root}: gave up after waiting {timeout:g} s: {missing} of {rows} samples are not done yet. "
-                "Rerun the same command on the missing ranks, or on one process with --world-size 1, to finish."
+                f"Rerun the same command on the missing ranks, or on one process with --world-size 1, to finish.{older}"
             )
         if not announced:
             log(f"waiting for other ranks: {missing} of {rows} samples not done yet")

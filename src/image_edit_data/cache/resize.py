@@ -71,12 +71,7 @@ class ResizePolicy:
         scale = math.sqrt(self.max_pixels / (width * height))
         if not self.upscale:
             scale = min(scale, 1.0)
-        out_w = max(step, round(width * scale / step) * step)
-        out_h = max(step, round(height * scale / step) * step)
-        if out_w * out_h > self.max_pixels:
-            out_w = max(step, math.floor(width * scale / step) * step)
-            out_h = max(step, math.floor(height * scale / step) * step)
-        return out_w, out_h
+        return fit_budget(width * scale, height * scale, step, self.max_pixels)
 
     def apply(self, image: Image.Image, spatial_factor: int) -> Image.Image:
         """The image at its output size (unchanged if already there)."""
@@ -97,6 +92,23 @@ class ResizePolicy:
         data = asdict(self)
         data["presets"] = [list(p) for p in self.presets]
         return data
+
+
+def fit_budget(width: float, height: float, step: int, budget: int) -> tuple[int, int]:
+    """Aligned (width, height) near the given size, within `budget` pixels, keeping the aspect ratio closest.
+
+    Each side is rounded down or up to a multiple of `step` (at least one step); of the combinations
+    within the budget, the one whose aspect ratio is nearest wins, the larger one on a tie.
+    """
+    aspect = math.log(width / height)
+    sides_w = {max(step, math.floor(width / step) * step), max(step, math.ceil(width / step) * step)}
+    sides_h = {max(step, math.floor(height / step) * step), max(step, math.ceil(height / step) * step)}
+    fits = [(w, h) for w in sides_w for h in sides_h if w * h <= budget]
+    if not fits:  # a very thin image: the short side is already one step, so shorten the long one
+        short_w = width < height
+        long_side = max(step, budget // step // step * step)
+        return (step, long_side) if short_w else (long_side, step)
+    return min(fits, key=lambda s: (abs(math.log(s[0] / s[1]) - aspect), -s[0] * s[1]))
 
 
 def to_pixels(images: list[Image.Image]) -> torch.Tensor:
