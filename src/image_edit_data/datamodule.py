@@ -10,17 +10,30 @@ so Lightning's own loader restore cannot skip the same batches a second time.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 
 from .dataset import ImageEditDataset
+from .index import MANIFEST
 from .lightning_loader import LightningLoader
 from .loader import ImageEditDataloaderConfig
 from .plan import BucketOrder
 from .sampler import ResumeMismatchError, migrate_state
 
 log = logging.getLogger(__name__)
+
+
+def write_demo_cache(directory: str, num_samples: int, seed: int) -> None:
+    """Build the procedural demo cache at `directory` through the same path as `image-edit-data demo-cache`."""
+    from .cache.cli import demo_cache_main
+
+    code = demo_cache_main([directory, "--num-samples", str(num_samples), "--seed", str(seed), "--quiet"])
+    if code != 0:
+        raise RuntimeError(f"building the demo cache in {directory} failed (exit code {code}); see the output above")
+
+
 ResumeMismatch = Literal["raise", "restart_epoch"]
 
 
@@ -45,6 +58,8 @@ class ImageEditDataModule(pl.LightningDataModule):
         elastic: Allow resuming mid-epoch on a different number of ranks.
         on_resume_mismatch: "raise" refuses a checkpoint whose data or config differ; "restart_epoch"
             deliberately reshuffles: it keeps the epoch number and starts that epoch afresh.
+        demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`) holds no cache yet, first write the
+            procedural demo cache there with this many samples (a tenth for validation). For quickstarts.
     """
 
     def __init__(
@@ -65,6 +80,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         latent_scale: int = 8,
         elastic: bool = False,
         on_resume_mismatch: ResumeMismatch = "raise",
+        demo_samples: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -73,6 +89,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.val_cache_dir = val_cache_dir
         self.on_resume_mismatch = on_resume_mismatch
+        self.demo_samples = demo_samples
         self.config = ImageEditDataloaderConfig(
             cache_dir=cache_dir,
             quantization=quantization,
@@ -93,6 +110,17 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.train_loader: LightningLoader | None = None
         self._pending_state: dict[str, Any] | None = None
         self._segment_start = 0  # fit-loop batches already counted before this sampler's segment began
+
+    def prepare_data(self) -> None:
+        """Write the demo caches when asked to and absent (Lightning runs this on one process only)."""
+        if self.demo_samples <= 0:
+            return
+        targets = [(self.config.cache_dir, self.demo_samples, 0)]
+        if self.val_cache_dir:
+            targets.append((self.val_cache_dir, max(1, self.demo_samples // 10), 1))
+        for directory, count, seed in targets:
+            if not (Path(directory) / MANIFEST).exists():
+                write_demo_cache(directory, count, seed)
 
     def setup(self, stage: str) -> None:
         """Open the caches this stage needs (index only: cheap, and done once)."""
