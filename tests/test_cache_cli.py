@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from _build_helpers import DEMO_SPECS, cli_command, cli_env, index_files, run_cli, write_lines, write_manifest
+from _build_helpers import (
+    DEMO_SPECS,
+    cli_command,
+    cli_env,
+    index_files,
+    parquet_rows,
+    run_cli,
+    write_lines,
+    write_manifest,
+    write_parquet,
+)
 
 from image_edit_data import ImageEditDataset
 from image_edit_data.cache.build import BuildOptions, build_cache
@@ -243,3 +253,15 @@ def test_bad_options_exit_2_and_a_missing_source_exits_1(tmp_path: Path, capsys:
     assert cache_main(["build", str(tmp_path / "c"), "--format", "zip"]) == 2
     assert cache_main(["build", str(tmp_path / "c"), *build_args(tmp_path / "m.jsonl", tmp_path / "c")[4:]]) == 1
     assert "source: give exactly one of --manifest" in capsys.readouterr().out
+
+
+def test_build_reads_a_parquet_data_set_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    parquet = write_parquet(tmp_path / "pq" / "train.parquet", parquet_rows(6), image_columns=("source_img",))
+    args = build_args(tmp_path / "unused.jsonl", tmp_path / "c")
+    manifest_at = args.index("--manifest")
+    del args[manifest_at : manifest_at + 2]
+    dataset_args = ["--dataset", str(parquet.parent), "--id-column", "img_id", "--hf-cache-dir", str(tmp_path / "hf")]
+    assert cache_main([*args, *dataset_args, "--context-columns", "[source_img]", "--format", "safetensors"]) == 0
+    assert "6 samples in 1 index shard(s)" in capsys.readouterr().out
+    dataset = ImageEditDataset(tmp_path / "c")
+    assert [dataset[i]["metadata"]["original_ids"]["id"] for i in range(6)] == [f"m{i:03d}" for i in range(6)]

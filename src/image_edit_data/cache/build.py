@@ -84,6 +84,7 @@ class BuildReport:
     skipped: Mapping[str, int]  # bad samples skipped by this run, by reason
     seconds: float
     merged: MergeReport | None  # set on the rank that merged
+    merge_only: bool = False  # nothing was encoded by request
 
 
 def instantiate(spec: EncoderSpec, protocol: type, name: str) -> Any:
@@ -179,9 +180,8 @@ def build_cache(
             **settings,
         }
         merged = merge_index(root, entries, rows, options.shard_size, provenance)
-    return BuildReport(
-        root, rank, world_size, len(mine), done, written, dict(skipped), time.monotonic() - started, merged
-    )
+    seconds = time.monotonic() - started
+    return BuildReport(root, rank, world_size, len(mine), done, written, dict(skipped), seconds, merged, merge_only)
 
 
 def _encode_slice(

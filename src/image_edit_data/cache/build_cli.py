@@ -71,17 +71,32 @@ def build_parser() -> ArgumentParser:
     add_source_arguments(parser)
     parser.add_argument("--image-encoder", type=ImageEncoder, required=True, help="Class path (+ init args).")
     parser.add_argument("--text-encoder", type=TextEncoder, required=True, help="Class path (+ init args).")
-    parser.add_argument("--resize", type=Literal["max_pixels", "presets", "none"], default="max_pixels")
+    parser.add_argument(
+        "--resize",
+        type=Literal["max_pixels", "presets", "none"],
+        default="max_pixels",
+        help="Keep aspect within --max-pixels, pick the closest of --presets, or require aligned images.",
+    )
     parser.add_argument("--max-pixels", type=int, default=1024 * 1024, help="Pixel budget per image.")
     parser.add_argument("--spatial-alignment", type=int, default=32, help="Image sides are multiples of this.")
     parser.add_argument("--presets", type=list[tuple[int, int]], default=[], help="(W, H) list, e.g. '[[1024,1024]]'.")
     parser.add_argument("--upscale", action=ActionYesNo, default=False, help="Enlarge small images to the budget.")
     parser.add_argument("--format", type=Literal["pt", "safetensors"], default="pt", help="Payload format.")
     parser.add_argument("--token-patch-size", type=int, default=2, help="Latent cells per token side.")
-    parser.add_argument("--store-dtype", type=Literal["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--store-dtype",
+        type=Literal["float32", "bfloat16", "float16"],
+        default="float32",
+        help="Dtype of stored latents and embeddings (the reference stores bfloat16).",
+    )
     parser.add_argument("--shard-size", type=int, default=10_000, help="Index records per shard.")
     parser.add_argument("--num-samples", type=int | None, default=None, help="Use only the first N source rows.")
-    parser.add_argument("--on-bad-sample", type=Literal["stop", "skip"], default="stop")
+    parser.add_argument(
+        "--on-bad-sample",
+        type=Literal["stop", "skip"],
+        default="stop",
+        help="Stop at the first bad raw example, or skip it and count it.",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="Images or prompts per encoder call.")
     parser.add_argument("--num-workers", type=int, default=4, help="Threads reading images and writing payloads.")
     parser.add_argument("--rank", type=int | None, default=None, help="This process's rank (default: $RANK or 0).")
@@ -116,6 +131,10 @@ def open_source(args: Namespace) -> EditSource:
         return JsonlManifestSource(args.manifest)
     from .hf_source import HFDatasetSource
 
+    if args.quiet:
+        import datasets
+
+        datasets.disable_progress_bars()
     return HFDatasetSource(
         args.dataset,
         target_column=args.target_column,
@@ -205,10 +224,11 @@ def print_summary(console: Console, report: BuildReport) -> None:
     who = "" if report.world_size == 1 else f"rank {report.rank}/{report.world_size}: "
     skipped = sum(report.skipped.values())
     reasons = ", ".join(f"{kind} x{n}" for kind, n in sorted(report.skipped.items()))
-    console.print(
-        f"{who}wrote {report.written} payloads ({report.already_done} of {report.assigned} already done"
-        f"{f', {skipped} skipped: {reasons}' if skipped else ''}) in {report.seconds:.1f} s"
-    )
+    if not report.merge_only:
+        console.print(
+            f"{who}wrote {report.written} payloads ({report.already_done} of {report.assigned} already done"
+            f"{f', {skipped} skipped: {reasons}' if skipped else ''}) in {report.seconds:.1f} s"
+        )
     merged = report.merged
     if merged is None:
         if report.rank != 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,21 @@ from .sources import (
 )
 
 JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Which data set column holds which part of an edit example."""
+
+    target_column: str
+    context_columns: tuple[str, ...]
+    prompt_column: str
+    id_column: str | None = None
+    metadata_columns: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """Provenance form."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 
 def parquet_files(path: Path) -> list[Path]:
@@ -73,13 +89,9 @@ class HFDatasetSource:
 
         self.path = Path(path)
         self.name = str(path)
-        self.columns = {
-            "target_column": target_column,
-            "context_columns": list(context_columns),
-            "prompt_column": prompt_column,
-            "id_column": id_column,
-            "metadata_columns": list(metadata_columns),
-        }
+        self.columns = ColumnMap(
+            target_column, tuple(context_columns), prompt_column, id_column, tuple(metadata_columns)
+        )
         if not context_columns:
             raise ValueError(f"{self.name}: context_columns: expected at least one column name, got none")
         if not self.path.exists():
@@ -120,26 +132,26 @@ class HFDatasetSource:
         where = self.location(position)
         if position in self.repeats:
             raise BadSampleError(
-                where, DUPLICATE_ID, f"{self.columns['id_column']}: id is already used by row {self.repeats[position]}"
+                where, DUPLICATE_ID, f"{self.columns.id_column}: id is already used by row {self.repeats[position]}"
             )
         row = self.dataset[position]
-        id_column = self.columns["id_column"]
+        id_column = self.columns.id_column
         sample_id = str(position) if id_column is None else row[id_column]
         if isinstance(sample_id, bool) or not isinstance(sample_id, (str, int)) or sample_id == "":
             raise BadSampleError(
                 where, INVALID_ENTRY, f"{id_column}: expected a non-empty string or integer id, got {sample_id!r}"
             )
-        prompt = row[self.columns["prompt_column"]]
+        prompt = row[self.columns.prompt_column]
         if not isinstance(prompt, str) or not prompt.strip():
             raise BadSampleError(
-                where, EMPTY_PROMPT, f"{self.columns['prompt_column']}: expected non-empty text, got {prompt!r}"
+                where, EMPTY_PROMPT, f"{self.columns.prompt_column}: expected non-empty text, got {prompt!r}"
             )
-        target_column = self.columns["target_column"]
+        target_column = self.columns.target_column
         if row[target_column] is None:
             raise BadSampleError(where, NO_TARGET, f"{target_column}: expected an image, got None")
         target = self._image(row[target_column], where, target_column)
         contexts: list[Image.Image] = []
-        for column in self.columns["context_columns"]:
+        for column in self.columns.context_columns:
             cell = row[column]
             if cell is None or (isinstance(cell, (list, tuple)) and not cell):
                 raise BadSampleError(where, NO_CONTEXT, f"{column}: expected a context image, got {cell!r}")
@@ -147,7 +159,7 @@ class HFDatasetSource:
                 contexts.extend(self._image(c, where, f"{column}[{i}]") for i, c in enumerate(cell))
             else:
                 contexts.append(self._image(cell, where, column))
-        metadata = {c: self._plain(row[c]) for c in self.columns["metadata_columns"]}
+        metadata = {c: self._plain(row[c]) for c in self.columns.metadata_columns}
         sample = RawEditSample(str(sample_id), prompt, target, tuple(contexts), metadata)
         return SourceRecord(position, where, sample)
 
@@ -184,6 +196,6 @@ class HFDatasetSource:
             "kind": "hf_dataset",
             "path": str(self.path.resolve()),
             "split": self.split,
-            **self.columns,
+            **self.columns.to_json(),
             "rows": len(self),
         }

@@ -104,10 +104,18 @@ def first_positions(ids: Sequence[str | None]) -> dict[int, int]:
     return repeats
 
 
+class IndexedSamples(Protocol):
+    """A sized collection of examples read by index, like `DemoSource` or a list."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> RawEditSample: ...
+
+
 class SequenceSource:
     """Any sized, indexable collection of `RawEditSample`, such as `DemoSource`."""
 
-    def __init__(self, samples: Sequence[RawEditSample], provenance: Mapping[str, Any]) -> None:
+    def __init__(self, samples: IndexedSamples, provenance: Mapping[str, Any]) -> None:
         """
         Args:
             samples: The examples; `samples[i]` must always return the same example.

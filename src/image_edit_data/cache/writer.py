@@ -33,6 +33,12 @@ def token_count(height: int, width: int, patch_size: int) -> int:
     return math.ceil(height / patch_size) * math.ceil(width / patch_size)
 
 
+def shape3(latent: torch.Tensor) -> tuple[int, int, int]:
+    """The `[C, H, W]` shape of a latent."""
+    channels, height, width = latent.shape
+    return int(channels), int(height), int(width)
+
+
 @dataclass(frozen=True)
 class EncodedSample:
     """A source record with its latents and prompt encoding, ready to be written."""
@@ -49,10 +55,7 @@ def assemble(
     sample: EncodedSample, payload_format: PayloadFormat, token_patch_size: int, store_dtype: StoreDtype
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The payload dict (contract layout) and the index record of one sample."""
-    signature = Signature(
-        target=tuple(sample.target_latent.shape),  # type: ignore[arg-type]
-        contexts=tuple(tuple(c.shape) for c in sample.context_latents),  # type: ignore[arg-type]
-    )
+    signature = Signature(shape3(sample.target_latent), tuple(shape3(c) for c in sample.context_latents))
     target_tokens = token_count(*signature.target[1:], token_patch_size)
     context_tokens = [token_count(*c[1:], token_patch_size) for c in signature.contexts]
     text_tokens = int(sample.prompt_attention_mask.bool().sum())
