@@ -10,6 +10,7 @@ commands:
   fit | validate | test   train or evaluate with LightningCLI (--config configs/quickstart.yaml)
   cache build|validate|inspect   build a cache from raw image-edit data, check it, or show its buckets
   demo-cache OUT_DIR      write the procedural demo cache (no downloads, CPU only)
+  bench CACHE_DIR         measure open time, index memory, samples/s and worker memory on your cache
 
 Run `image-edit-data COMMAND --help` for the options of a command.
 """
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from .cache.cli import demo_cache_main
 
         return demo_cache_main(rest)
+    if command == "bench":
+        from .bench import bench_main
+
+        return bench_main(rest)
     sys.stderr.write(f"image-edit-data: unknown command {command!r}\n\n{USAGE}")
     return 2
 
