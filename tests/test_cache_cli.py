@@ -87,6 +87,7 @@ def manifest(tmp_path: Path) -> Path:
     return write_manifest(tmp_path / "raw", rows=20)
 
 
+@pytest.mark.slow
 def test_a_killed_build_rerun_with_the_same_command_equals_an_uninterrupted_one(tmp_path: Path, manifest: Path) -> None:
     cache = tmp_path / "killed"
     args = build_args(manifest, cache, delay="0.05")
@@ -112,6 +113,7 @@ def test_a_killed_build_rerun_with_the_same_command_equals_an_uninterrupted_one(
     assert len(ImageEditDataset(cache)) == 20
 
 
+@pytest.mark.slow
 def test_two_ranks_build_the_same_index_as_one(tmp_path: Path, manifest: Path) -> None:
     cache = tmp_path / "two"
     ranks = [
