@@ -10,7 +10,8 @@ from torch.utils.data import Dataset
 
 from . import validate
 from .buckets import Signature
-from .index import CacheIndex, load_index
+from .index import CacheIndex
+from .index_store import open_index
 from .payload import load_payload
 
 
@@ -22,12 +23,12 @@ class ImageEditDataset(Dataset):
     `prompt_attention_mask`, `conditioning_tensors`, `metadata`, plus `sample_index` (= `i`).
     """
 
-    def __init__(self, cache_dir: str | Path, quantization: int = 64) -> None:
+    def __init__(self, cache_dir: str | Path, quantization: int = 64, use_index_store: bool = True) -> None:
         if isinstance(quantization, bool) or not isinstance(quantization, int) or quantization <= 0:
             raise ValueError(f"quantization must be a positive integer, got {quantization!r}")
         self.cache_dir = Path(cache_dir)
         self.quantization = quantization
-        self.index: CacheIndex = load_index(cache_dir)
+        self.index: CacheIndex = open_index(cache_dir, use_store=use_index_store)
 
     def __len__(self) -> int:
         return len(self.index)
