@@ -8,8 +8,11 @@ wires it all into Lightning with exact resume.
 """
 
 from .collate import collate_image_edit
+from .corrupt import TooManyCorruptSamplesError
+from .datamodule import ImageEditDataModule
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
 from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
+from .monitor import ImageEditDataMonitor
 from .sampler import BucketBatchSampler, ResumeMismatchError
 from .validate import CacheFormatError
 
@@ -17,9 +20,12 @@ __all__ = [
     "BucketBatchSampler",
     "CacheFormatError",
     "DiffusionDataloaderBuild",
+    "ImageEditDataModule",
+    "ImageEditDataMonitor",
     "ImageEditDataloaderConfig",
     "ImageEditDataset",
     "ImageEditDatasetConfig",
     "ResumeMismatchError",
+    "TooManyCorruptSamplesError",
     "collate_image_edit",
 ]

@@ -12,6 +12,7 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Collate samples of one compound signature into the batch contract of the cache format."""
     if not samples:
         raise ValueError("cannot collate an empty batch")
+    skipped = [entry for s in samples for entry in s.get("skipped", ())]
     first = samples[0]
     check_same(samples, lambda s: (s["target_latent"].shape, s["target_latent"].dtype), "target_latent shape/dtype")
     check_same(
@@ -51,6 +52,9 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "total_token_count": sum(total_tokens),
         },
     }
+    if skipped or "skipped" in first:
+        batch["metadata"]["skipped"] = len(skipped)
+        batch["metadata"]["skipped_samples"] = skipped
     if all("sample_index" in s for s in samples):
         batch["metadata"]["sample_indices"] = [int(s["sample_index"]) for s in samples]
     return batch

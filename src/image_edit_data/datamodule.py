@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
+from .corrupt import CorruptPolicy
 from .dataset import ImageEditDataset
 from .index import MANIFEST
 from .lightning_loader import LightningLoader
@@ -58,6 +59,10 @@ class ImageEditDataModule(pl.LightningDataModule):
         elastic: Allow resuming mid-epoch on a different number of ranks.
         on_resume_mismatch: "raise" refuses a checkpoint whose data or config differ; "restart_epoch"
             deliberately reshuffles: it keeps the epoch number and starts that epoch afresh.
+        on_corrupt_sample: "raise" stops at a broken payload; "skip" drops it from its batch (a batch of one
+            takes its bucket's next sample instead), logs it once, lists it in
+            `<cache>/.image_edit_data/quarantine.jsonl` and counts it in the batch metadata.
+        max_corrupt_fraction: With "skip", fail anyway once more than this fraction of the cache was skipped.
         demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`) holds no cache yet, first write the
             procedural demo cache there with this many samples (a tenth for validation). For quickstarts.
     """
@@ -80,6 +85,8 @@ class ImageEditDataModule(pl.LightningDataModule):
         latent_scale: int = 8,
         elastic: bool = False,
         on_resume_mismatch: ResumeMismatch = "raise",
+        on_corrupt_sample: CorruptPolicy = "raise",
+        max_corrupt_fraction: float = 0.01,
         demo_samples: int = 0,
     ) -> None:
         super().__init__()
@@ -104,6 +111,8 @@ class ImageEditDataModule(pl.LightningDataModule):
             bucket_order=bucket_order,
             latent_scale=latent_scale,
             elastic=elastic,
+            on_corrupt_sample=on_corrupt_sample,
+            max_corrupt_fraction=max_corrupt_fraction,
         )
         self.train_dataset: ImageEditDataset | None = None
         self.val_dataset: ImageEditDataset | None = None
@@ -125,11 +134,11 @@ class ImageEditDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         """Open the caches this stage needs (index only: cheap, and done once)."""
         if stage == "fit" and self.train_dataset is None:
-            self.train_dataset = ImageEditDataset(self.config.cache_dir, quantization=self.config.quantization)
+            self.train_dataset = self.config.open_dataset()
         if stage in ("fit", "validate") and self.val_cache_dir and self.val_dataset is None:
-            self.val_dataset = ImageEditDataset(self.val_cache_dir, quantization=self.config.quantization)
+            self.val_dataset = self.config.open_dataset(self.val_cache_dir)
         if stage == "test" and self.val_dataset is None:
-            self.val_dataset = ImageEditDataset(self.val_cache_dir or self.config.cache_dir, self.config.quantization)
+            self.val_dataset = self.config.open_dataset(self.val_cache_dir or self.config.cache_dir)
 
     def data_parallel(self) -> tuple[int, int]:
         """(rank, world size) of data parallelism, as Lightning's strategy shards data."""

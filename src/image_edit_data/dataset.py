@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from . import validate
 from .buckets import Signature
+from .corrupt import CorruptPolicy, SkipLog
 from .index import CacheIndex
 from .index_store import open_index
 from .payload import load_payload
@@ -23,12 +25,24 @@ class ImageEditDataset(Dataset):
     `prompt_attention_mask`, `conditioning_tensors`, `metadata`, plus `sample_index` (= `i`).
     """
 
-    def __init__(self, cache_dir: str | Path, quantization: int = 64, use_index_store: bool = True) -> None:
+    def __init__(
+        self,
+        cache_dir: str | Path,
+        quantization: int = 64,
+        use_index_store: bool = True,
+        on_corrupt_sample: CorruptPolicy = "raise",
+        max_corrupt_fraction: float = 0.01,
+        quarantine_file: str | Path | None = None,
+    ) -> None:
         if isinstance(quantization, bool) or not isinstance(quantization, int) or quantization <= 0:
             raise ValueError(f"quantization must be a positive integer, got {quantization!r}")
         self.cache_dir = Path(cache_dir)
         self.quantization = quantization
         self.index: CacheIndex = open_index(cache_dir, use_store=use_index_store)
+        self.skips = SkipLog(
+            on_corrupt_sample, max_corrupt_fraction, len(self.index), Path(quarantine_file) if quarantine_file else None
+        )
+        self._members: list[np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -42,6 +56,42 @@ class ImageEditDataset(Dataset):
         sample = validate.payload(raw, self.index.signature(idx), relative, self.index.source_revision)
         sample["sample_index"] = idx
         return sample
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        """Load one batch; under the "skip" policy broken samples are dropped (see `corrupt.py`).
+
+        The first sample of the batch carries `skipped`: what was dropped, for collate to report.
+        """
+        if self.skips.policy == "raise":
+            return [self[i] for i in indices]
+        samples, skipped = [], []
+        for index in indices:
+            try:
+                samples.append(self[index])
+            except validate.CacheFormatError as error:
+                skipped.append(self.skips.record(index, error))
+        if not samples:
+            samples.append(self.replacement_for(indices[0], skipped))
+        samples[0]["skipped"] = skipped
+        return samples
+
+    def replacement_for(self, index: int, skipped: list[dict[str, Any]]) -> dict[str, Any]:
+        """The next loadable sample after `index` in its bucket, so a batch of bad samples still yields one."""
+        if self._members is None:
+            self._members = self.index.bucket_members()
+        members = self._members[int(self.index.bucket_ids[index])]
+        start = int(np.searchsorted(members, index))
+        for offset in range(1, len(members)):
+            candidate = int(members[(start + offset) % len(members)])
+            try:
+                return self[candidate]
+            except validate.CacheFormatError as error:
+                skipped.append(self.skips.record(candidate, error))
+        raise validate.CacheFormatError(
+            self.index.relative_path(index),
+            "bucket",
+            "every sample of this bucket is corrupt; nothing left to train on",
+        )
 
     @property
     def signatures(self) -> tuple[Signature, ...]:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .collate import collate_image_edit
+from .corrupt import CorruptPolicy
 from .dataset import ImageEditDataset
+from .index_store import STORE_DIR
 from .plan import BucketOrder
 from .sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 
@@ -74,6 +77,24 @@ class ImageEditDataloaderConfig:
     """Pixels per latent position (the VAE's downsampling), for the dynamic batch size's cost."""
     elastic: bool = False
     """Allow resuming mid-epoch on a different world size (remaining samples are dealt anew)."""
+    on_corrupt_sample: CorruptPolicy = "raise"
+    """"raise" stops at a broken payload; "skip" drops it from its batch, logs and quarantines it."""
+    max_corrupt_fraction: float = 0.01
+    """With "skip": fail anyway once more than this fraction of the cache was skipped (per loader process)."""
+    quarantine_file: str | None = None
+    """With "skip": JSONL file listing skipped samples (default: `.image_edit_data/quarantine.jsonl` in the cache)."""
+
+    def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset:
+        """Open `cache_dir` (default: the configured one) with this config's corrupt-sample policy."""
+        directory = cache_dir or self.cache_dir
+        quarantine = self.quarantine_file or str(Path(directory) / STORE_DIR / "quarantine.jsonl")
+        return ImageEditDataset(
+            directory,
+            quantization=self.quantization,
+            on_corrupt_sample=self.on_corrupt_sample,
+            max_corrupt_fraction=self.max_corrupt_fraction,
+            quarantine_file=quarantine,
+        )
 
     def build(self, *, dp_rank: int, dp_world_size: int, batch_size: int) -> DiffusionDataloaderBuild:
         """Open the cache and build this rank's sampler and stateful loader."""
@@ -98,7 +119,7 @@ class ImageEditDataloaderConfig:
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be non-negative, got {self.num_workers}")
         if dataset is None:
-            dataset = ImageEditDataset(self.cache_dir, quantization=self.quantization)
+            dataset = self.open_dataset()
         batch_sizes = bucket_batch_sizes(
             dataset, batch_size, self.dynamic_batch_size, self.base_resolution, self.latent_scale
         )
