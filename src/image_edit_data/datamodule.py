@@ -118,7 +118,6 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.val_dataset: ImageEditDataset | None = None
         self.train_loader: LightningLoader | None = None
         self._pending_state: dict[str, Any] | None = None
-        self._segment_start = 0  # fit-loop batches already counted before this sampler's segment began
 
     def prepare_data(self) -> None:
         """Write the demo caches when asked to and absent (Lightning runs this on one process only)."""
@@ -162,7 +161,6 @@ class ImageEditDataModule(pl.LightningDataModule):
         if self._pending_state is not None:
             self.restore_position(sampler, self._pending_state)
             self._pending_state = None
-        self._segment_start = self.fit_batches_done() - sampler.consumed if sampler.history else 0
         self.train_loader = LightningLoader(built.dataloader, sampler)
         return self.train_loader
 
@@ -226,7 +224,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         state = sampler.state_dict()
         progress = self.trainer.fit_loop.epoch_progress.current
         state["epoch"] = progress.processed
-        state["consumed"] = self.fit_batches_done() - self._segment_start
+        state["consumed"] = self.fit_batches_done()
         if progress.processed != sampler.epoch:
             state["history"] = []  # saved at an epoch boundary: the next epoch starts fresh
             state["consumed"] = 0

@@ -1,7 +1,8 @@
 """The distributed bucket batch sampler: slices the epoch plan from a small resumable state.
 
 State is `{"version", "epoch", "consumed", "history", "fingerprint"}`, identical on every rank
-(Lightning restores rank 0's copy everywhere). `consumed` counts the batches this sampler handed
+(Lightning restores rank 0's copy everywhere). `consumed` counts the batches of this epoch handed
+out so far, including those of earlier world sizes listed in `history`. It counts what this sampler handed
 out in the current epoch; torchdata snapshots it per batch, so prefetching workers never make a
 resume skip batches that training did not see.
 """
@@ -95,9 +96,14 @@ class BucketBatchSampler:
             self._plan_key = key
         return self._plan
 
+    @property
+    def segment_start(self) -> int:
+        """Steps of this epoch taken at earlier world sizes (elastic resume); the plan starts after them."""
+        return sum(steps for _, steps in self.history)
+
     def __len__(self) -> int:
-        """Batches this rank yields in the current epoch (the same on every rank)."""
-        steps = len(self.plan())
+        """Batches this rank takes in the current epoch (the same on every rank), counting earlier segments."""
+        steps = self.segment_start + len(self.plan())
         return steps if self.max_batches is None else min(steps, self.max_batches)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -111,7 +117,7 @@ class BucketBatchSampler:
 
     def batch_for(self, step: int) -> np.ndarray:
         """This rank's `step`-th batch of the current epoch."""
-        return self.plan().batch(step, self.rank)
+        return self.plan().batch(step - self.segment_start, self.rank)
 
     def advance_epoch(self, epoch: int) -> None:
         """Start `epoch` from its first batch."""
@@ -166,8 +172,7 @@ class BucketBatchSampler:
         self.consumed = int(state["consumed"])
         if saved.get("world_size") != self.world_size:
             # The epoch was planned for the old ranks: keep that plan's samples, deal the rest anew.
-            self.history.append((int(saved["world_size"]), self.consumed))
-            self.consumed = 0
+            self.history.append((int(saved["world_size"]), self.consumed - self.segment_start))
         if self.consumed >= len(self):
             self.advance_epoch(self.epoch + 1)
 
