@@ -131,3 +131,14 @@ def test_resume_from_loader_state_continues_exactly(cache: Path, num_workers: in
         resumed.sampler.set_epoch(e)
         rest.extend(ids(b) for b in resumed.dataloader)
     assert rest == baseline[epoch * per_epoch + cut :]
+
+
+def test_worker_batches_equal_in_process_batches(cache: Path) -> None:
+    in_process = list(config(cache, num_workers=0).build(dp_rank=0, dp_world_size=1, batch_size=3).dataloader)
+    from_workers = list(config(cache, num_workers=2).build(dp_rank=0, dp_world_size=1, batch_size=3).dataloader)
+    assert len(in_process) == len(from_workers)
+    for a, b in zip(in_process, from_workers):
+        for key in ("image_latents", "text_embeddings", "text_attention_mask"):
+            assert torch.equal(a[key], b[key]), key
+        assert all(torch.equal(x, y) for x, y in zip(a["context_latents"], b["context_latents"]))
+        assert a["metadata"] == b["metadata"]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import get_worker_info
 
 
 def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -31,9 +32,9 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     text_tokens = [int(m["text_token_length"]) for m in metadata]
     total_tokens = [t + c + x for t, c, x in zip(target_tokens, context_tokens, text_tokens)]
     batch: dict[str, Any] = {
-        "image_latents": torch.stack([s["target_latent"] for s in samples]),
+        "image_latents": stack([s["target_latent"] for s in samples]),
         "context_latents": [
-            torch.stack([s["context_latents"][i] for s in samples]) for i in range(len(first["context_latents"]))
+            stack([s["context_latents"][i] for s in samples]) for i in range(len(first["context_latents"]))
         ],
         "text_embeddings": embeddings,
         "text_attention_mask": mask,
@@ -75,13 +76,37 @@ def pad_prompts(samples: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.
     """Zero-pad prompt embeddings `[S_i, D]` and masks `[S_i]` to the longest `S` of the batch."""
     longest = max(s["prompt_embeddings"].shape[0] for s in samples)
     first_embedding = samples[0]["prompt_embeddings"]
-    embeddings = first_embedding.new_zeros((len(samples), longest, first_embedding.shape[1]))
-    mask = samples[0]["prompt_attention_mask"].new_zeros((len(samples), longest))
+    embeddings = allocate((len(samples), longest, first_embedding.shape[1]), first_embedding.dtype)
+    mask = allocate((len(samples), longest), samples[0]["prompt_attention_mask"].dtype)
     for row, sample in enumerate(samples):
         length = sample["prompt_embeddings"].shape[0]
         embeddings[row, :length] = sample["prompt_embeddings"]
+        embeddings[row, length:] = 0
         mask[row, :length] = sample["prompt_attention_mask"]
+        mask[row, length:] = 0
     return embeddings, mask
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised batch tensor; in a loader worker, directly in shared memory.
+
+    A worker hands its batch to the training process through shared memory. Allocating it there
+    up front means the payload bytes are copied once (file pages -> batch) instead of once more
+    when the batch is sent.
+    """
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = 1
+    for size in shape:
+        numel *= size
+    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+
+
+def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack` into a tensor from `allocate`."""
+    out = allocate((len(tensors), *tensors[0].shape), tensors[0].dtype)
+    return torch.stack(list(tensors), out=out)
 
 
 def stack_conditioning(samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -100,5 +125,5 @@ def stack_conditioning(samples: Sequence[dict[str, Any]]) -> dict[str, torch.Ten
             lambda s, n=name: (tuple(s["conditioning_tensors"][n].shape), s["conditioning_tensors"][n].dtype),
             f"conditioning tensor {name!r} shape/dtype",
         )
-        stacked[name] = torch.stack([s["conditioning_tensors"][name] for s in samples])
+        stacked[name] = stack([s["conditioning_tensors"][name] for s in samples])
     return stacked
