@@ -7,6 +7,7 @@ after the resume must equal an uninterrupted run's batches: nothing skipped, not
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,8 +26,13 @@ def run(cache: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
-def records(out: Path, devices: int) -> list[list[str]]:
-    return [(out / f"rank{r}.jsonl").read_text().splitlines() for r in range(devices)]
+def records(out: Path, devices: int) -> list[list[tuple[int, list[int]]]]:
+    """Per rank, (epoch, sample ids) of every training batch, in order."""
+    result = []
+    for rank in range(devices):
+        lines = (out / f"rank{rank}.jsonl").read_text().splitlines()
+        result.append([(line["epoch"], line["ids"]) for line in map(json.loads, lines)])
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baselines(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[str]]]:
+def baselines(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[list[tuple[int, list[int]]]]]:
     """Uninterrupted 3-epoch runs; the data order does not depend on workers or accumulation."""
     result = {}
     for devices in (1, 2):
@@ -65,7 +71,7 @@ SCENARIOS = [
 @pytest.mark.parametrize(("devices", "workers", "resume_workers", "accumulate", "kill_at"), SCENARIOS)
 def test_killed_and_resumed_run_trains_on_the_same_batches_as_an_uninterrupted_one(
     cache: Path,
-    baselines: dict[int, list[list[str]]],
+    baselines: dict[int, list[list[tuple[int, list[int]]]]],
     tmp_path: Path,
     devices: int,
     workers: int,
