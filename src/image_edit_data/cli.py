@@ -34,9 +34,9 @@ class RunReport(pl.Callback):
             lines.append(f"{self.metric}: first {self.first.item():.4f}, final {self.latest.item():.4f}")
         if trainer.logger is not None and trainer.logger.log_dir:
             lines.append(f"logs: {trainer.logger.log_dir}")
-        checkpoint = trainer.checkpoint_callback
-        if checkpoint is not None and getattr(checkpoint, "dirpath", None):
-            lines.append(f"checkpoints: {checkpoint.dirpath} (resume with --ckpt_path last)")
+        checkpoint_dir = getattr(trainer.checkpoint_callback, "dirpath", None)
+        if checkpoint_dir:
+            lines.append(f"checkpoints: {checkpoint_dir} (resume with --ckpt_path last)")
         for line in lines:
             rank_zero_info(line)
 

@@ -152,7 +152,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         rank, world = self.data_parallel()
-        epoch = self.trainer.fit_loop.epoch_progress.current.processed if self.trainer is not None else 0
+        epoch = self.fit_epoch()
         built = self.config.build_for(
             dataset=self.train_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, epoch=epoch
         )
@@ -188,13 +188,28 @@ class ImageEditDataModule(pl.LightningDataModule):
             return min(batches, limit)
         return int(batches * limit) if limit < 1.0 else None
 
+    def fit_progress(self) -> Any:
+        """Lightning's epoch counters (`started`, `processed`; typed too narrowly upstream)."""
+        trainer: Any = self.trainer
+        return trainer.fit_loop.epoch_progress.current
+
+    def fit_epoch(self) -> int:
+        """The epoch the fit loop is in or about to start.
+
+        `processed`, not `trainer.current_epoch`: at an epoch-end checkpoint the latter still names the
+        finished epoch, while `processed` already counts it.
+        """
+        return int(self.fit_progress().processed) if self.trainer is not None else 0
+
     def fit_batches_done(self) -> int:
         """Batches the fit loop has trained on in its current epoch (0 at an epoch's start)."""
         if self.trainer is None:
             return 0
-        loop = self.trainer.fit_loop
-        progress = loop.epoch_progress.current
-        return 0 if progress.processed == progress.started else loop.epoch_loop.batch_progress.current.processed
+        progress = self.fit_progress()
+        if progress.processed == progress.started:
+            return 0
+        trainer: Any = self.trainer
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
     def val_dataloader(self) -> LightningLoader | list:
         """Validation loader: fixed order, no rank padding, batches dealt round-robin to ranks."""
@@ -222,10 +237,9 @@ class ImageEditDataModule(pl.LightningDataModule):
             return {}
         sampler = self.train_loader.batch_sampler
         state = sampler.state_dict()
-        progress = self.trainer.fit_loop.epoch_progress.current
-        state["epoch"] = progress.processed
+        state["epoch"] = self.fit_epoch()
         state["consumed"] = self.fit_batches_done()
-        if progress.processed != sampler.epoch:
+        if state["epoch"] != sampler.epoch:
             state["history"] = []  # saved at an epoch boundary: the next epoch starts fresh
             state["consumed"] = 0
         return state
