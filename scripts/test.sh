@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 ruff check src tests
+mypy
 python -m pytest -q "$@"
