@@ -1,0 +1,213 @@
+"""What `image-edit-data bench` measures: the machine, memcpy bandwidth, index open and timed loading.
+
+Memory figures come from `/proc` (Linux); elsewhere they are None. Throughput counts payload
+file bytes, so every loader is charged for the same bytes whatever it does with them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import tracemalloc
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .index import CacheIndex, load_index
+
+MB = 1e6  # throughput is in MB/s of 10^6 bytes
+
+
+def read_proc(path: str) -> str | None:
+    """Text of a `/proc` file, or None where there is none (not Linux, process gone)."""
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def proc_fields(text: str | None) -> dict[str, int]:
+    """`Name:   123 kB` lines of a `/proc` file, in bytes."""
+    fields: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            fields[name] = int(parts[0]) * 1024
+    return fields
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process."""
+    return proc_fields(read_proc("/proc/self/status")).get("VmRSS")
+
+
+def private_bytes(pid: int) -> int | None:
+    """Unique set size of process `pid`: its `Private_*` pages, which no other process shares."""
+    fields = proc_fields(read_proc(f"/proc/{pid}/smaps_rollup"))
+    if not fields:
+        return None
+    return sum(fields.get(name, 0) for name in ("Private_Clean", "Private_Dirty", "Private_Hugetlb"))
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo, else whatever `platform` knows."""
+    for line in (read_proc("/proc/cpuinfo") or "").splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("model name", "Model", "Hardware", "cpu model") and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """The facts a throughput number needs next to it."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "memory_bytes": proc_fields(read_proc("/proc/meminfo")).get("MemTotal"),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_1m": load_average(),
+    }
+
+
+def load_average() -> float | None:
+    """Runnable processes over the last minute: other work on the machine skews every rate."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def best_rate(copy: Any, nbytes: int, repeats: int) -> float:
+    """Best MB/s of `repeats` calls of `copy()`, each moving `nbytes`."""
+    copy()  # faults the destination's pages in, so no run pays for first touch
+    best = min(timed(copy) for _ in range(repeats))
+    return nbytes / best / MB
+
+
+def timed(call: Any) -> float:
+    """Seconds one call of `call()` takes."""
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
+    """Copy rate of this machine: numpy's copy (libc memcpy, one thread) and torch's (all its threads)."""
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    single = best_rate(lambda: np.copyto(target.numpy(), source.numpy()), nbytes, repeats)
+    threaded = best_rate(lambda: target.copy_(source), nbytes, repeats)
+    return {
+        "mb_s": max(single, threaded),  # the limit: the faster of the two ways to move bytes
+        "single_thread_mb_s": single,
+        "torch_mb_s": threaded,
+        "torch_threads": torch.get_num_threads(),
+        "buffer_bytes": nbytes,
+        "repeats": repeats,
+    }
+
+
+def measure_index_open(cache_dir: Path) -> tuple[CacheIndex, dict[str, Any]]:
+    """Open the index twice, timed, then once under tracemalloc; return it with the numbers."""
+    rss_before = rss_bytes()
+    start = time.perf_counter()
+    index = load_index(cache_dir)
+    first_s = time.perf_counter() - start
+    rss_after = rss_bytes()
+    second_s = timed(lambda: load_index(cache_dir))
+    tracemalloc.start()
+    try:
+        load_index(cache_dir)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return index, {
+        "open_first_s": first_s,  # the shards may already be in the page cache: "cold-ish"
+        "open_second_s": second_s,
+        "nbytes": index.nbytes,
+        "bytes_per_sample": index.nbytes / max(len(index), 1),
+        # The kept arrays plus what the allocator still holds from parsing the shards.
+        "rss_growth_bytes": None if rss_before is None or rss_after is None else rss_after - rss_before,
+        "peak_traced_bytes": peak,
+    }
+
+
+@dataclass
+class Run:
+    """One timed stretch of batches from one loader."""
+
+    loader: str  # "ours", "naive" or "bare"
+    num_workers: int | None  # None: no DataLoader at all
+    batches: int
+    samples: int
+    payload_bytes: int
+    seconds: float
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self, memcpy_mb_s: float) -> dict[str, Any]:
+        """The run's numbers, with rates and the fraction of the memcpy limit."""
+        mb_s = self.payload_bytes / self.seconds / MB
+        return {
+            "loader": self.loader,
+            "num_workers": self.num_workers,
+            "batches": self.batches,
+            "samples": self.samples,
+            "payload_bytes": self.payload_bytes,
+            "seconds": self.seconds,
+            "samples_s": self.samples / self.seconds,
+            "mb_s": mb_s,
+            "memcpy_fraction": mb_s / memcpy_mb_s,
+            "workers": self.workers,
+        }
+
+
+def worker_pids(iterator: object) -> list[int]:
+    """PIDs of a multi-process DataLoader iterator's workers (none for an in-process one)."""
+    return [int(worker.pid) for worker in getattr(iterator, "_workers", [])]
+
+
+def timed_batches(
+    loader: str,
+    num_workers: int,
+    batches: Iterable[Any],
+    plan: Sequence[Sequence[int]],
+    warmup: int,
+    sizes: Mapping[int, int],
+    indices_of: Callable[[Any], list[int]] | None = None,
+) -> Run:
+    """Draw `plan`'s batches from `batches`; time all after the first `warmup`; sample worker memory.
+
+    `indices_of(batch)`, when given, must name the planned samples: the last batch is checked.
+    """
+    iterator = iter(batches)
+    for _ in range(warmup):
+        next(iterator)
+    pids = worker_pids(iterator)
+    before = [private_bytes(pid) for pid in pids]
+    measured = plan[warmup:]
+    start = time.perf_counter()
+    for _ in measured:
+        last = next(iterator)
+    seconds = time.perf_counter() - start
+    after = [private_bytes(pid) for pid in pids]
+    del iterator  # shuts the workers down before the next run starts its own
+    if indices_of is not None and list(indices_of(last)) != list(measured[-1]):
+        raise RuntimeError(f"{loader} loader yielded other samples than planned, so loaders would not be comparable")
+    workers = [
+        {"pid": pid, "uss_start_bytes": a, "uss_end_bytes": b, "uss_growth_bytes": b - a if a and b else None}
+        for pid, a, b in zip(pids, before, after)
+    ]
+    return Run(loader, num_workers, len(measured), *plan_totals(measured, sizes), seconds, workers)
+
+
+def plan_totals(batches: Sequence[Sequence[int]], sizes: Mapping[int, int]) -> tuple[int, int]:
+    """Samples and payload bytes in `batches`."""
+    return sum(len(b) for b in batches), sum(sizes[i] for b in batches for i in b)
