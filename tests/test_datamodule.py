@@ -1,0 +1,157 @@
+"""ImageEditDataModule inside real (in-process, CPU) Lightning runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from cachefactory import tiny_cache
+from fit_harness import RecordingModel
+
+from image_edit_data import ImageEditDataModule, ResumeMismatchError
+from image_edit_data.lightning_loader import LightningLoader
+from image_edit_data.sampler import BucketBatchSampler
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_cache(tmp_path_factory.mktemp("cache"), counts=(13, 11, 9))
+
+
+def trainer(out: Path, **kwargs: Any) -> pl.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "default_root_dir": out,
+    }
+    return pl.Trainer(**{**options, **kwargs})
+
+
+def trained(out: Path) -> list[tuple[int, list[int]]]:
+    lines = (out / "rank0.jsonl").read_text().splitlines()
+    return [(line["epoch"], line["ids"]) for line in map(json.loads, lines)]
+
+
+def data(cache: Path, **kwargs: Any) -> ImageEditDataModule:
+    return ImageEditDataModule(cache_dir=str(cache), batch_size=2, num_workers=0, **kwargs)
+
+
+def test_init_does_no_work_and_setup_is_idempotent(tmp_path: Path, cache: Path) -> None:
+    module = ImageEditDataModule(cache_dir=str(tmp_path / "missing"))  # nothing is opened yet
+    assert module.train_dataset is None
+    module = data(cache)
+    module.setup("fit")
+    dataset = module.train_dataset
+    module.setup("fit")
+    assert module.train_dataset is dataset
+    assert module.hparams["batch_size"] == 2 and module.hparams["cache_dir"] == str(cache)
+
+
+def test_the_trainer_keeps_our_loader_and_sampler_with_default_flags(tmp_path: Path, cache: Path) -> None:
+    module = data(cache)
+    fit = trainer(tmp_path, max_epochs=1)
+    fit.fit(RecordingModel(str(tmp_path)), datamodule=module)
+    assert isinstance(fit.train_dataloader, LightningLoader)
+    assert isinstance(fit.train_dataloader.batch_sampler, BucketBatchSampler)
+    assert len(trained(tmp_path)) == 15
+
+
+def test_fit_called_twice_continues_like_one_longer_fit(tmp_path: Path, cache: Path) -> None:
+    one = tmp_path / "one"
+    one.mkdir()
+    trainer(one, max_epochs=2).fit(RecordingModel(str(one)), datamodule=data(cache))
+    two = tmp_path / "two"
+    two.mkdir()
+    model, module = RecordingModel(str(two)), data(cache)
+    first = trainer(two, max_epochs=1)
+    first.fit(model, datamodule=module)
+    first.fit_loop.max_epochs = 2
+    first.fit(model, datamodule=module)
+    assert trained(two) == trained(one)
+    assert [e for e, _ in trained(one)] == [0] * 15 + [1] * 15
+
+
+def test_limit_train_batches_ends_the_sampler_where_lightning_stops(tmp_path: Path, cache: Path) -> None:
+    trainer(tmp_path, max_epochs=2, limit_train_batches=4).fit(RecordingModel(str(tmp_path)), datamodule=data(cache))
+    full = tmp_path / "full"
+    full.mkdir()
+    trainer(full, max_epochs=2).fit(RecordingModel(str(full)), datamodule=data(cache))
+    limited, unlimited = trained(tmp_path), trained(full)
+    assert limited == unlimited[:4] + unlimited[15:19], "each epoch starts its own order, not the last one's tail"
+
+
+def test_max_steps_mid_epoch_then_resume_continues_exactly(tmp_path: Path, cache: Path) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    trainer(full, max_epochs=2).fit(RecordingModel(str(full)), datamodule=data(cache))
+    part = tmp_path / "part"
+    part.mkdir()
+    every_7 = pl.callbacks.ModelCheckpoint(dirpath=part, filename="mid", every_n_train_steps=7)
+    first = trainer(part, max_epochs=2, max_steps=7, enable_checkpointing=True, callbacks=[every_7])
+    first.fit(RecordingModel(str(part)), datamodule=data(cache))
+    trainer(part, max_epochs=2).fit(RecordingModel(str(part)), datamodule=data(cache), ckpt_path=part / "mid.ckpt")
+    assert trained(part) == trained(full)
+
+
+def checkpoint_at_step_5(out: Path, cache: Path) -> Path:
+    """Train until a step-5 checkpoint (saved mid-epoch, as ModelCheckpoint does) and return its path."""
+    every_5 = pl.callbacks.ModelCheckpoint(dirpath=out, filename="mid", every_n_train_steps=5)
+    fit = trainer(out, max_epochs=1, max_steps=5, enable_checkpointing=True, callbacks=[every_5])
+    fit.fit(RecordingModel(str(out)), datamodule=data(cache))
+    return out / "mid.ckpt"
+
+
+def test_checkpoint_state_carries_position_and_fingerprint(tmp_path: Path, cache: Path) -> None:
+    state = torch.load(checkpoint_at_step_5(tmp_path, cache), weights_only=False)["ImageEditDataModule"]
+    assert (state["version"], state["epoch"], state["consumed"]) == (1, 0, 5)
+    assert state["fingerprint"]["seed"] == 42 and state["fingerprint"]["world_size"] == 1
+    assert len(state["fingerprint"]["data"]) == 16
+
+
+def test_changed_config_is_refused_unless_a_reshuffle_is_asked_for(tmp_path: Path, cache: Path) -> None:
+    ckpt = checkpoint_at_step_5(tmp_path, cache)
+    changed = ImageEditDataModule(cache_dir=str(cache), batch_size=3, num_workers=0)
+    with pytest.raises(ResumeMismatchError, match=r"batch_sizes: checkpoint \[2, 2, 2\], now \[3, 3, 3\]"):
+        trainer(tmp_path, max_epochs=1).fit(RecordingModel(str(tmp_path)), datamodule=changed, ckpt_path=ckpt)
+    again = tmp_path / "again"
+    again.mkdir()
+    reshuffled = ImageEditDataModule(
+        cache_dir=str(cache), batch_size=3, num_workers=0, on_resume_mismatch="restart_epoch"
+    )
+    trainer(again, max_epochs=1).fit(RecordingModel(str(again)), datamodule=reshuffled, ckpt_path=ckpt)
+    batches = trained(again)
+    assert {e for e, _ in batches} == {0}
+    assert all(len(ids) == 3 for _, ids in batches)
+    assert len(batches) == 10 - 5, "epoch 0 restarts; Lightning still counts the 5 batches it trained"
+
+
+class Evaluating(RecordingModel):
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        with (self.out / f"val{self.global_rank}.jsonl").open("a") as f:
+            f.write(json.dumps(batch["metadata"]["sample_indices"]) + "\n")
+
+
+def test_validation_sees_every_sample_once_in_a_fixed_order(tmp_path: Path, cache: Path) -> None:
+    module = data(cache, val_cache_dir=str(cache))
+    trainer(tmp_path, max_epochs=2, limit_train_batches=2).fit(Evaluating(str(tmp_path)), datamodule=module)
+    runs = (tmp_path / "val0.jsonl").read_text().splitlines()
+    ids = [i for line in runs for i in json.loads(line)]
+    assert len(ids) == 66 and sorted(ids) == sorted(list(range(33)) * 2)
+    assert ids[:33] == ids[33:], "validation order is the same every time"
+
+
+def test_test_loader_defaults_to_the_training_cache(tmp_path: Path, cache: Path) -> None:
+    module = data(cache)
+    module.setup("test")
+    loader = module.test_dataloader()
+    assert sum(len(b["metadata"]["sample_indices"]) for b in loader) == 33
+    assert torch.is_tensor(next(iter(loader))["image_latents"])
