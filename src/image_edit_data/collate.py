@@ -53,6 +53,8 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "total_token_count": sum(total_tokens),
         },
     }
+    if "position" in first:
+        batch["metadata"]["position"] = list(first["position"])
     if skipped or "skipped" in first:
         batch["metadata"]["skipped"] = len(skipped)
         batch["metadata"]["skipped_samples"] = skipped

@@ -1,8 +1,8 @@
 """`ImageEditDataModule`: dataset, bucket sampler and collate behind Lightning's hooks, resumable.
 
 The DataModule is the one owner of the data position. Its `state_dict()` records the epoch and
-the batches *trained on* (read from Lightning's fit loop, which never counts prefetched
-batches) plus a fingerprint of the cache and data config; `load_state_dict()` keeps it until
+the batches *trained on* (the plan position of the last batch handed to Lightning, which never
+counts prefetched batches) plus a fingerprint of the cache and data config; `load_state_dict()` keeps it until
 `train_dataloader()` builds the sampler at that position. The loader itself reports no state,
 so Lightning's own loader restore cannot skip the same batches a second time.
 """
@@ -188,28 +188,14 @@ class ImageEditDataModule(pl.LightningDataModule):
             return min(batches, limit)
         return int(batches * limit) if limit < 1.0 else None
 
-    def fit_progress(self) -> Any:
-        """Lightning's epoch counters (`started`, `processed`; typed too narrowly upstream)."""
-        trainer: Any = self.trainer
-        return trainer.fit_loop.epoch_progress.current
-
     def fit_epoch(self) -> int:
         """The epoch the fit loop is in or about to start.
 
-        `processed`, not `trainer.current_epoch`: at an epoch-end checkpoint the latter still names the
-        finished epoch, while `processed` already counts it.
+        `epoch_progress.current.processed`, not `trainer.current_epoch`: at an epoch-end checkpoint the
+        latter still names the finished epoch, while `processed` already counts it.
         """
-        return int(self.fit_progress().processed) if self.trainer is not None else 0
-
-    def fit_batches_done(self) -> int:
-        """Batches the fit loop has trained on in its current epoch (0 at an epoch's start)."""
-        if self.trainer is None:
-            return 0
-        progress = self.fit_progress()
-        if progress.processed == progress.started:
-            return 0
         trainer: Any = self.trainer
-        return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+        return int(trainer.fit_loop.epoch_progress.current.processed) if trainer is not None else 0
 
     def val_dataloader(self) -> LightningLoader | list:
         """Validation loader: fixed order, no rank padding, batches dealt round-robin to ranks."""
@@ -232,16 +218,21 @@ class ImageEditDataModule(pl.LightningDataModule):
         return LightningLoader(built.dataloader, built.sampler)
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, batches trained on and fingerprint: the same on every rank, as rank 0's is the one saved."""
-        if self.train_loader is None or self.trainer is None:
+        """Epoch, batches trained on and fingerprint: the same on every rank, as rank 0's is the one saved.
+
+        The position is that of the last batch the loader handed to Lightning (which trains every batch
+        it takes before taking the next), so it never counts batches that workers merely prefetched and
+        does not depend on Lightning's epoch counters.
+        """
+        if self.train_loader is None:
             return {}
         sampler = self.train_loader.batch_sampler
         state = sampler.state_dict()
-        state["epoch"] = self.fit_epoch()
-        state["consumed"] = self.fit_batches_done()
+        position = self.train_loader.position
+        if position is not None:
+            state["epoch"], state["consumed"] = position
         if state["epoch"] != sampler.epoch:
-            state["history"] = []  # saved at an epoch boundary: the next epoch starts fresh
-            state["consumed"] = 0
+            state["history"] = []  # the sampler already moved on; the saved epoch had no world-size change
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -60,8 +60,16 @@ class ImageEditDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
         """Load one batch; under the "skip" policy broken samples are dropped (see `corrupt.py`).
 
-        The first sample of the batch carries `skipped`: what was dropped, for collate to report.
+        The first sample of the batch carries `skipped` (what was dropped) and, for batches from our
+        sampler, `position` (epoch and step in the epoch plan), for collate to report.
         """
+        samples = self.load_batch(indices)
+        if hasattr(indices, "step"):
+            samples[0]["position"] = [indices.epoch, indices.step]  # type: ignore[attr-defined]
+        return samples
+
+    def load_batch(self, indices: list[int]) -> list[dict[str, Any]]:
+        """Load a batch's samples under the corrupt-sample policy."""
         if self.skips.policy == "raise":
             return [self[i] for i in indices]
         samples, skipped = [], []

@@ -22,6 +22,7 @@ class LightningLoader:
     def __init__(self, loader: StatefulDataLoader, sampler: BucketBatchSampler) -> None:
         self.loader = loader
         self.batch_sampler = sampler
+        self.position: tuple[int, int] | None = None  # (epoch, batches of it handed to training)
 
     @property
     def sampler(self) -> BucketBatchSampler:
@@ -38,7 +39,15 @@ class LightningLoader:
 
     def __iter__(self) -> Iterator[Any]:
         # A generator function, so Lightning's probing `iter()` starts no worker pool until used.
-        yield from self.loader
+        sampler = self.batch_sampler
+        self.position = (sampler.epoch, sampler.consumed)
+        for batch in self.loader:
+            # Lightning does not prefetch from sized loaders: a batch handed over here is the one it
+            # trains on next, so this is the trained position whenever a checkpoint is taken.
+            position = batch["metadata"].get("position")
+            if position is not None:
+                self.position = (position[0], position[1] + 1)
+            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the DataModule owns the data position, so Lightning must not restore a second copy."""

@@ -20,6 +20,19 @@ STATE_VERSION = 1
 BUCKET_ORDERS = ("interleaved", "sequential")
 
 
+class PlannedBatch(list):
+    """A batch of sample indices that also knows its place in the epoch plan (it survives pickling).
+
+    The place travels with the batch to the worker and into the collated batch's metadata, so the
+    training process always knows which batch it *trained on*, however far prefetching ran ahead.
+    """
+
+    def __init__(self, indices: list[int], epoch: int, step: int) -> None:
+        super().__init__(indices)
+        self.epoch = epoch
+        self.step = step
+
+
 class ResumeMismatchError(ValueError):
     """Saved sampler state does not fit this sampler's data or configuration."""
 
@@ -111,9 +124,9 @@ class BucketBatchSampler:
             self.advance_epoch(self.epoch + 1)  # the last epoch ran to its end and nobody called set_epoch
         total = len(self)
         while self.consumed < total:
-            batch = self.batch_for(self.consumed)
+            batch = PlannedBatch(self.batch_for(self.consumed).tolist(), self.epoch, self.consumed)
             self.consumed += 1
-            yield batch.tolist()
+            yield batch
 
     def batch_for(self, step: int) -> np.ndarray:
         """This rank's `step`-th batch of the current epoch."""
