@@ -109,11 +109,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--limit-train-batches", type=int, default=None)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--elastic", action="store_true", help="allow resuming on another number of ranks")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     datamodule = ImageEditDataModule(
-        cache_dir=args.cache, batch_size=args.batch_size, num_workers=args.num_workers, seed=args.seed
+        cache_dir=args.cache,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        seed=args.seed,
+        elastic=args.elastic,
     )
     checkpoint = KillAfterCheckpoint(
         kill_at_step=args.kill_at_step,

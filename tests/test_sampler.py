@@ -220,3 +220,10 @@ def test_evaluation_sampler_gives_each_sample_once_without_padding() -> None:
 def test_max_batches_truncates_the_epoch() -> None:
     (s,) = ranks([40], 1, 2, max_batches=3)
     assert len(s) == 3 and len(list(s)) == 3
+
+
+@settings(max_examples=100, deadline=None)
+@given(bucket_sizes, st.integers(1, 5), st.integers(1, 6), st.booleans())
+def test_steady_length_counts_a_fresh_epoch_by_arithmetic(sizes: list[int], world: int, batch: int, drop: bool) -> None:
+    (s, *_) = ranks(sizes, world, batch, drop_last=drop)
+    assert s.steady_length() == len(s) == len(list(s))

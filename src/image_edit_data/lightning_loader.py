@@ -35,7 +35,9 @@ class LightningLoader:
         return self.loader.dataset
 
     def __len__(self) -> int:
-        return len(self.loader)
+        # Lightning reads this once per fit. After an elastic resume the current epoch's length
+        # differs from later epochs'; report the larger, since a shorter epoch simply ends early.
+        return max(len(self.loader), self.batch_sampler.steady_length())
 
     def __iter__(self) -> Iterator[Any]:
         # A generator function, so Lightning's probing `iter()` starts no worker pool until used.

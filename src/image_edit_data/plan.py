@@ -65,6 +65,15 @@ def deal_bucket(members: np.ndarray, world_size: int, batch_size: int, tail: Tai
     return np.concatenate(blocks), np.concatenate(sizes)
 
 
+def step_count(bucket_sizes: Sequence[int], batch_sizes: Sequence[int], world_size: int, drop_last: bool) -> int:
+    """Steps of a fresh epoch (no elastic history), by arithmetic alone."""
+    total = 0
+    for n, batch_size in zip(bucket_sizes, batch_sizes):
+        per_rank = -(-n // world_size)
+        total += per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+    return total
+
+
 def plan_steps(
     members: Sequence[np.ndarray],
     batch_sizes: Sequence[int],

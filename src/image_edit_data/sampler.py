@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .plan import BucketOrder, EpochPlan, plan_epoch
+from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
 
 STATE_VERSION = 1
 BUCKET_ORDERS = ("interleaved", "sequential")
@@ -117,6 +117,11 @@ class BucketBatchSampler:
     def __len__(self) -> int:
         """Batches this rank takes in the current epoch (the same on every rank), counting earlier segments."""
         steps = self.segment_start + len(self.plan())
+        return steps if self.max_batches is None else min(steps, self.max_batches)
+
+    def steady_length(self) -> int:
+        """Batches of an epoch without elastic history: what every later epoch has on these ranks."""
+        steps = step_count([len(m) for m in self.bucket_members], self.batch_sizes, self.world_size, self.drop_last)
         return steps if self.max_batches is None else min(steps, self.max_batches)
 
     def __iter__(self) -> Iterator[list[int]]:
