@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,11 +20,13 @@ import numpy as np
 
 from . import validate
 from .buckets import Signature, sort_key
-from .paths import contained, resolve_inside
-from .validate import fail
+from .paths import contained, read_regular_file, resolve_inside
+from .validate import CacheFormatError, fail, show
 
 MANIFEST = "metadata.json"
 UNKNOWN = -1  # token count not stored in the index record
+# Provenance plus a shard list: even 100k shards fit easily. Shards are not bounded: 10M records need GBs.
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,19 +80,22 @@ class CacheIndex:
         return sum(a.nbytes for a in arrays)
 
 
-def read_json(path: Path, display: str) -> Any:
-    """Parse a JSON cache file, naming it in any error."""
+def read_json(path: Path, display: str, max_bytes: int | None = None) -> Any:
+    """Parse a JSON cache file (a regular file of at most `max_bytes`), naming it in any error."""
     try:
-        with path.open("rb") as handle:
-            return json.loads(handle.read().decode("utf-8"))
-    except FileNotFoundError:
+        return json.loads(read_regular_file(path, display, max_bytes).decode("utf-8"))
+    except CacheFormatError:
         raise
+    except FileNotFoundError:
+        fail(display, "file", f"does not exist ({path})")
     except UnicodeDecodeError as error:
         fail(display, "encoding", f"expected UTF-8 JSON ({error.reason} at byte {error.start})")
     except RecursionError:
         fail(display, "json", "nesting is too deep")
     except json.JSONDecodeError as error:
         fail(display, "json", f"invalid JSON: {error.msg} at line {error.lineno} column {error.colno}")
+    except ValueError as error:  # e.g. an integer literal longer than Python's 4300-digit limit
+        fail(display, "json", f"invalid JSON: {error}")
     except OSError as error:
         fail(display, "file", f"cannot be read: {error.strerror or error}")
 
@@ -97,15 +103,23 @@ def read_json(path: Path, display: str) -> Any:
 def load_manifest(root: Path) -> tuple[dict[str, Any], list[str]]:
     """Read metadata.json and return it with its shard paths (relative, checked for containment)."""
     path = root / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{path}: no {MANIFEST} here; is {root} an image-edit cache directory?")
-    manifest = read_json(path, MANIFEST)
+    manifest = read_json(resolve_inside(root, MANIFEST, MANIFEST, "file"), MANIFEST, MAX_MANIFEST_BYTES)
     if not isinstance(manifest, dict):
         fail(MANIFEST, "manifest", f"expected a JSON object, got {type(manifest).__name__}")
     shards = manifest.get("shards")
     if not isinstance(shards, list):
-        fail(MANIFEST, "shards", f"expected a list of shard file names, got {shards!r}")
-    return manifest, [contained(root, s, MANIFEST, f"shards[{i}]") for i, s in enumerate(shards)]
+        fail(MANIFEST, "shards", f"expected a list of shard file names, got {show(shards)}")
+    first: dict[str, int] = {}
+    for i, shard in enumerate(shards):
+        name = contained(root, shard, MANIFEST, f"shards[{i}]")
+        if name == MANIFEST:
+            fail(MANIFEST, f"shards[{i}]", f"{show(shard)} is the manifest itself, not an index shard")
+        if name in first:
+            fail(MANIFEST, f"shards[{i}]", f"{show(shard)} is listed twice (first at shards[{first[name]}])")
+        first[name] = i
+    return manifest, list(first)
 
 
 def load_index(cache_dir: str | Path) -> CacheIndex:

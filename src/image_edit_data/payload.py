@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from .atomic import write_bytes_atomic
+from .paths import read_regular_file
 from .validate import fail
 
 PayloadFormat = Literal["pt", "safetensors"]
@@ -40,23 +42,60 @@ def format_of(path: str | Path) -> PayloadFormat:
 def load_payload(path: Path, display: str) -> dict[str, Any]:
     """Load one payload into the contract's dict form without running any code from the file."""
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path, display)
     except OSError as error:
         fail(display, "file", f"cannot be read: {error.strerror or error}")
     if not data:
         fail(display, "file", "is empty (0 bytes)")
     if format_of(path) == "safetensors":
         return from_safetensors(data, display)
+    check_zip_expansion(data, display)
     try:
         loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        fail(display, "payload", f"refused by the weights-only loader: {str(error).splitlines()[0]}")
-    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, KeyError, OSError) as error:
-        reason = str(error).split(". ")[0]  # torch appends paragraphs of advice; the first sentence says it
-        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {reason})")
+        fail(display, "payload", f"refused by the weights-only loader ({unpickler_reason(error)})")
+    except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...
+        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {first_sentence(error)})")
     if not isinstance(loaded, dict):
         fail(display, "payload", f"expected a dict of cache fields, got {type(loaded).__name__}")
     return loaded
+
+
+def first_sentence(error: BaseException) -> str:
+    """The part of a torch error that says what is wrong (it appends paragraphs of advice)."""
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(error))
+    return text.split(". ")[0].split("  (Could this error")[0]
+
+
+def unpickler_reason(error: pickle.UnpicklingError) -> str:
+    """What the weights-only unpickler refused (e.g. `... GLOBAL os.system whose module os is blocked`).
+
+    torch wraps it in paragraphs of advice, some of which suggest loading unsafely; keep only the reason.
+    """
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    elif "\n\n" in text:
+        text = text.split("\n\n", 1)[1]
+    text = text.split("Check the documentation")[0].split(" Please use")[0]
+    return " ".join(text.split()) or "no reason given"
+
+
+def check_zip_expansion(data: bytes, display: str) -> None:
+    """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
+
+    torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
+    small file could otherwise expand into gigabytes (a compression bomb).
+    """
+    if not data.startswith(b"PK\x03\x04"):
+        return  # torch.load reads it as a legacy (non-zip) file
+    try:
+        entries = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except Exception as error:  # zipfile raises many types on damaged archives
+        fail(display, "payload", f"not a readable torch.save file (damaged zip: {error})")
+    unpacked = sum(entry.file_size for entry in entries)
+    if unpacked > len(data):
+        fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {len(data)}-byte file")
 
 
 def from_safetensors(data: bytes, display: str) -> dict[str, Any]:
@@ -78,9 +117,12 @@ def from_safetensors(data: bytes, display: str) -> dict[str, Any]:
         metadata = json.loads(extra.get(METADATA_KEY, "null"))
     except json.JSONDecodeError as error:
         fail(display, METADATA_KEY, f"invalid JSON: {error.msg}")
-    contexts = sorted((int(k[len(CONTEXT_PREFIX) :]), v) for k, v in tensors.items() if k.startswith(CONTEXT_PREFIX))
+    except RecursionError:
+        fail(display, METADATA_KEY, "invalid JSON: nesting is too deep")
+    except ValueError as error:  # e.g. an integer literal longer than Python's 4300-digit limit
+        fail(display, METADATA_KEY, f"invalid JSON: {error}")
     payload: dict[str, Any] = {
-        "context_latents": [tensor for _, tensor in contexts],
+        "context_latents": context_list(tensors, display),
         "conditioning_tensors": {
             k[len(CONDITIONING_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONDITIONING_PREFIX)
         },
@@ -90,6 +132,18 @@ def from_safetensors(data: bytes, display: str) -> dict[str, Any]:
         if name in tensors:
             payload[name] = tensors[name]
     return payload
+
+
+def context_list(tensors: Mapping[str, torch.Tensor], display: str) -> list[torch.Tensor]:
+    """The `context_latents.<i>` tensors in order; the indices must be exactly 0, 1, ..., n-1."""
+    by_index: dict[str, torch.Tensor] = {
+        k[len(CONTEXT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONTEXT_PREFIX)
+    }
+    expected = [str(i) for i in range(len(by_index))]
+    if sorted(by_index) != sorted(expected):
+        got = sorted(CONTEXT_PREFIX + k for k in by_index)
+        fail(display, "context_latents", f"expected {CONTEXT_PREFIX}<i> for i = 0..{len(by_index) - 1}, got {got}")
+    return [by_index[i] for i in expected]
 
 
 def to_safetensors(payload: Mapping[str, Any]) -> bytes:

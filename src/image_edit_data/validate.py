@@ -14,6 +14,15 @@ import torch
 
 from .buckets import Signature
 
+MAX_COUNT = 2**31 - 1  # token counts are stored as int32 in the index
+MAX_DIM = 2**63 - 1  # torch sizes are int64; a larger dimension can never match a tensor
+MAX_PROBLEM_CHARS = 1000  # a hostile value must not turn an error message into megabytes
+MAX_SHOWN_CHARS = 200
+# Pickle can nest without limit, and a batch's metadata is later pickled to the main process,
+# copied and logged; these bounds are far beyond any real payload's metadata.
+MAX_METADATA_DEPTH = 32
+MAX_METADATA_VALUES = 100_000
+
 
 class CacheFormatError(ValueError):
     """A cache file breaks the contract; names the file and the field."""
@@ -27,7 +36,18 @@ class CacheFormatError(ValueError):
 
 def fail(file: str, field: str, problem: str) -> NoReturn:
     """Raise the one error type every contract rule uses."""
+    if len(problem) > MAX_PROBLEM_CHARS:
+        problem = f"{problem[:MAX_PROBLEM_CHARS]}... ({len(problem)} characters)"
     raise CacheFormatError(file, field, problem)
+
+
+def show(value: object) -> str:
+    """`repr(value)` for an error message: bounded in length, and safe on absurdly nested values."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<{type(value).__name__} nested too deeply to show>"
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}..."
 
 
 def is_int(value: object) -> bool:
@@ -36,21 +56,21 @@ def is_int(value: object) -> bool:
 
 
 def nonnegative_int(value: object, file: str, field: str) -> int:
-    """Check a token count or similar non-negative integer."""
-    if not is_int(value) or value < 0:  # type: ignore[operator]
-        fail(file, field, f"expected a non-negative integer, got {value!r}")
+    """Check a token count or similar non-negative integer (below 2**31)."""
+    if not is_int(value) or not 0 <= value <= MAX_COUNT:  # type: ignore[operator]
+        fail(file, field, f"expected a non-negative integer below 2**31, got {show(value)}")
     return value  # type: ignore[return-value]
 
 
 def shape(value: object, rank: int, file: str, field: str, allow_zero: bool = False) -> tuple[int, ...]:
     """Check a JSON shape list of `rank` integers (positive unless `allow_zero`)."""
     if not isinstance(value, (list, tuple)) or len(value) != rank:
-        fail(file, field, f"expected a list of {rank} integers, got {value!r}")
+        fail(file, field, f"expected a list of {rank} integers, got {show(value)}")
     lowest = 0 if allow_zero else 1
     for dim in value:
-        if not is_int(dim) or dim < lowest:
+        if not is_int(dim) or not lowest <= dim <= MAX_DIM:
             kind = "non-negative" if allow_zero else "positive"
-            fail(file, field, f"expected {kind} integer dimensions, got {value!r}")
+            fail(file, field, f"expected {kind} integer dimensions below 2**63, got {show(value)}")
     return tuple(value)
 
 
@@ -61,15 +81,32 @@ def signature(value: object, file: str, field: str) -> Signature:
     target = shape(value.get("target"), 3, file, f"{field}.target")
     contexts = value.get("contexts")
     if not isinstance(contexts, list) or not contexts:
-        fail(file, f"{field}.contexts", f"expected a non-empty list of [C, h, w] shapes, got {contexts!r}")
+        fail(file, f"{field}.contexts", f"expected a non-empty list of [C, h, w] shapes, got {show(contexts)}")
     parsed = tuple(shape(c, 3, file, f"{field}.contexts[{i}]") for i, c in enumerate(contexts))
     return Signature(target=target, contexts=parsed)  # type: ignore[arg-type]
 
 
-def latent(value: object, file: str, field: str) -> tuple[int, int, int]:
-    """Check a floating `[C, H, W]` latent tensor and return its shape."""
+def plain_tensor(value: object, file: str, field: str) -> torch.Tensor:
+    """Check for a dense CPU tensor backed by its own data (so it costs no more memory than its file)."""
     if not isinstance(value, torch.Tensor):
         fail(file, field, f"expected a tensor, got {type(value).__name__}")
+    if value.device.type != "cpu" or value.layout != torch.strided:
+        fail(file, field, f"expected a dense CPU tensor, got layout {value.layout} on device {value.device}")
+    # A zero-stride view of a tiny storage can claim any shape; stacking it would allocate all of it.
+    needed = (value.storage_offset() + value.numel()) * value.element_size()
+    if value.numel() and value.untyped_storage().nbytes() < needed:
+        fail(
+            file,
+            field,
+            f"shape {list(value.shape)} needs {needed} bytes but the stored data holds "
+            f"{value.untyped_storage().nbytes()} (an expanded or overlapping view)",
+        )
+    return value
+
+
+def latent(value: object, file: str, field: str) -> tuple[int, int, int]:
+    """Check a floating `[C, H, W]` latent tensor and return its shape."""
+    value = plain_tensor(value, file, field)
     if value.ndim != 3:
         fail(file, field, f"expected shape [channels, height, width], got {tuple(value.shape)}")
     if not value.is_floating_point():
@@ -79,10 +116,7 @@ def latent(value: object, file: str, field: str) -> tuple[int, int, int]:
 
 def tensor_field(payload: Mapping[str, Any], name: str, file: str) -> torch.Tensor:
     """Fetch a required tensor entry of a payload."""
-    value = payload.get(name)
-    if not isinstance(value, torch.Tensor):
-        fail(file, name, f"expected a tensor, got {type(value).__name__}")
-    return value
+    return plain_tensor(payload.get(name), file, name)
 
 
 def payload(raw: object, expected: Signature, file: str, manifest_revision: str | None) -> dict[str, Any]:
@@ -123,9 +157,8 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
         fail(file, "conditioning_tensors", f"expected a mapping of name to tensor, got {type(conditioning).__name__}")
     for name, tensor in conditioning.items():
         if not isinstance(name, str) or not name:
-            fail(file, "conditioning_tensors", f"expected non-empty string names, got {name!r}")
-        if not isinstance(tensor, torch.Tensor):
-            fail(file, f"conditioning_tensors.{name}", f"expected a tensor, got {type(tensor).__name__}")
+            fail(file, "conditioning_tensors", f"expected non-empty string names, got {show(name)}")
+        plain_tensor(tensor, file, f"conditioning_tensors.{name}")
 
     metadata = sample_metadata(raw.get("metadata"), actual, embeddings.shape[0], conditioning, file, manifest_revision)
     return {
@@ -136,6 +169,26 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
         "conditioning_tensors": dict(conditioning),
         "metadata": metadata,
     }
+
+
+def bounded(value: object, file: str, field: str) -> None:
+    """Refuse a nested value deeper than MAX_METADATA_DEPTH or holding more than MAX_METADATA_VALUES values."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    count = 1
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            fail(file, field, f"nests deeper than {MAX_METADATA_DEPTH} levels")
+        if isinstance(item, Mapping):
+            children: list[object] = [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = list(item)
+        else:
+            continue
+        count += len(children)
+        if count > MAX_METADATA_VALUES:
+            fail(file, field, f"holds more than {MAX_METADATA_VALUES} values")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def sample_metadata(
@@ -149,26 +202,31 @@ def sample_metadata(
     """Check a payload's `metadata` entry and fill in the token-length defaults."""
     if not isinstance(raw, Mapping):
         fail(file, "metadata", f"expected a mapping, got {type(raw).__name__}")
+    bounded(raw, file, "metadata")
     ids = raw.get("original_ids")
     if not isinstance(ids, Mapping) or not ids:
-        fail(file, "metadata.original_ids", f"expected a non-empty mapping, got {ids!r}")
+        fail(file, "metadata.original_ids", f"expected a non-empty mapping, got {show(ids)}")
     for name, value in ids.items():
         if not isinstance(name, str) or not name or not (isinstance(value, str) or is_int(value)):
-            fail(file, "metadata.original_ids", f"expected non-empty names mapped to str or int ids, got {name!r}")
+            fail(file, "metadata.original_ids", f"expected non-empty names mapped to str or int ids, got {show(name)}")
 
     revision = raw.get("source_revision")
     if revision is not None:
         if not isinstance(revision, str) or not revision:
-            fail(file, "metadata.source_revision", f"expected a non-empty string, got {revision!r}")
+            fail(file, "metadata.source_revision", f"expected a non-empty string, got {show(revision)}")
         if manifest_revision is not None and revision != manifest_revision:
-            fail(file, "metadata.source_revision", f"{revision!r} differs from the manifest's {manifest_revision!r}")
+            fail(
+                file,
+                "metadata.source_revision",
+                f"{show(revision)} differs from the manifest's {show(manifest_revision)}",
+            )
 
     spatial = shape(raw.get("target_spatial_shape"), 2, file, "metadata.target_spatial_shape")
     if spatial != sig.target[1:]:
         fail(file, "metadata.target_spatial_shape", f"expected {list(sig.target[1:])}, got {list(spatial)}")
     raw_context_shapes = raw.get("context_spatial_shapes")
     if not isinstance(raw_context_shapes, list):
-        fail(file, "metadata.context_spatial_shapes", f"expected a list of [h, w], got {raw_context_shapes!r}")
+        fail(file, "metadata.context_spatial_shapes", f"expected a list of [h, w], got {show(raw_context_shapes)}")
     context_spatial = [
         list(shape(s, 2, file, f"metadata.context_spatial_shapes[{i}]")) for i, s in enumerate(raw_context_shapes)
     ]
@@ -204,7 +262,9 @@ def sample_metadata(
     if context_tokens is None:
         context_tokens = [c[1] * c[2] for c in sig.contexts]
     if not isinstance(context_tokens, list) or len(context_tokens) != len(sig.contexts):
-        fail(file, "metadata.context_token_lengths", f"expected {len(sig.contexts)} integers, got {context_tokens!r}")
+        fail(
+            file, "metadata.context_token_lengths", f"expected {len(sig.contexts)} integers, got {show(context_tokens)}"
+        )
     context_tokens = [
         nonnegative_int(n, file, f"metadata.context_token_lengths[{i}]") for i, n in enumerate(context_tokens)
     ]
