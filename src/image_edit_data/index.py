@@ -64,6 +64,8 @@ class CacheIndex:
 
     def bucket_members(self) -> list[np.ndarray]:
         """Per bucket id, the ascending sample indices in it."""
+        if not self.signatures:
+            return []
         order = np.argsort(self.bucket_ids, kind="stable")
         return np.split(order, np.cumsum(self.bucket_sizes())[:-1])
 

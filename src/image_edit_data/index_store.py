@@ -34,12 +34,18 @@ def user_cache_dir() -> Path:
     return Path(base) / "image_edit_data"
 
 
-def store_key(root: Path) -> str:
-    """Hash of what the index is parsed from: manifest bytes and every shard's path, size and mtime."""
-    digest = hashlib.sha256((root / MANIFEST).read_bytes())
-    _, shards = load_manifest(root)
+def store_key(root: Path) -> str | None:
+    """Hash of what the index is parsed from: the manifest and every shard's path, size and mtime.
+
+    None when a shard is missing: then the parse reports it properly.
+    """
+    manifest, shards = load_manifest(root)  # checks containment and size before anything is hashed
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
     for shard in shards:
-        stat = (root / shard).stat()
+        try:
+            stat = (root / shard).stat()
+        except FileNotFoundError:
+            return None
         digest.update(f"{shard}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     digest.update(f"v{STORE_VERSION}".encode())
     return digest.hexdigest()[:24]
@@ -58,6 +64,8 @@ def open_index(cache_dir: str | Path, use_store: bool = True) -> CacheIndex:
     if not use_store or not (root / MANIFEST).is_file():
         return load_index(root)
     key = store_key(root)
+    if key is None:
+        return load_index(root)
     paths = candidate_paths(root, key)
     for path in paths:
         if path.is_file():
@@ -89,6 +97,18 @@ def serialize(index: CacheIndex) -> bytes:
     return buffer.getvalue()
 
 
+def check_consistent(arrays: dict[str, np.ndarray], num_buckets: int) -> None:
+    """Refuse stored arrays that do not describe one valid index (a damaged or planted file)."""
+    ids, offsets, blob = arrays["bucket_ids"], arrays["path_offsets"], arrays["path_blob"]
+    n = ids.shape[0]
+    if ids.ndim != 1 or offsets.shape != (n + 1,) or arrays["text_tokens"].shape != (n,) or blob.ndim != 1:
+        raise ValueError("array shapes disagree")
+    if n and (ids.min() < 0 or ids.max() >= num_buckets):
+        raise ValueError("bucket ids out of range")
+    if offsets[0] != 0 or offsets[-1] != blob.shape[0] or np.any(np.diff(offsets) <= 0):
+        raise ValueError("path offsets are not increasing within the path blob")
+
+
 def read_stored(path: Path, root: Path) -> CacheIndex | None:
     """Load a stored index, or None (and a log line) when it is unreadable or from another version."""
     try:
@@ -101,6 +121,7 @@ def read_stored(path: Path, root: Path) -> CacheIndex | None:
             Signature(tuple(s["target"]), tuple(tuple(c) for c in s["contexts"]))  # type: ignore[arg-type]
             for s in header["signatures"]
         )
+        check_consistent(arrays, len(signatures))
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:
         log.warning("ignoring unreadable stored index %s (%s); parsing the shards again", path, error)
         return None

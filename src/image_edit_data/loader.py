@@ -120,6 +120,8 @@ class ImageEditDataloaderConfig:
             raise ValueError(f"num_workers must be non-negative, got {self.num_workers}")
         if dataset is None:
             dataset = self.open_dataset()
+        if len(dataset) == 0:
+            raise ValueError(f"{dataset.cache_dir}: the cache holds no samples; there is nothing to load")
         batch_sizes = bucket_batch_sizes(
             dataset, batch_size, self.dynamic_batch_size, self.base_resolution, self.latent_scale
         )

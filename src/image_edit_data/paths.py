@@ -46,8 +46,8 @@ def resolve_inside(root: Path, relative: str, file: str, field: str) -> Path:
     return resolved
 
 
-def read_regular_file(path: Path, display: str, max_bytes: int | None = None) -> bytes:
-    """The bytes of `path`, refusing anything but a regular file (and files over `max_bytes`).
+def open_regular(path: Path, display: str) -> tuple[int, os.stat_result]:
+    """An open descriptor of `path` and its stat, refusing anything but a regular file.
 
     Opening without blocking and checking the open descriptor means a FIFO cannot hang the reader
     and a device cannot feed it forever. OS errors propagate for the caller to word.
@@ -58,11 +58,23 @@ def read_regular_file(path: Path, display: str, max_bytes: int | None = None) ->
         if not stat.S_ISREG(info.st_mode):
             kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a pipe, socket or device"
             fail(display, "file", f"expected a regular file, got {kind}")
-        handle = os.fdopen(descriptor, "rb")
     except BaseException:
         os.close(descriptor)
         raise
-    with handle:
+    return descriptor, info
+
+
+def regular_file_size(path: Path, display: str) -> int:
+    """The size of `path`, which must be a regular file (see `open_regular`)."""
+    descriptor, info = open_regular(path, display)
+    os.close(descriptor)
+    return info.st_size
+
+
+def read_regular_file(path: Path, display: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of `path`, refusing anything but a regular file (and files over `max_bytes`)."""
+    descriptor, info = open_regular(path, display)
+    with os.fdopen(descriptor, "rb") as handle:
         if max_bytes is not None and info.st_size > max_bytes:
             fail(display, "file", f"is {info.st_size} bytes, more than the {max_bytes} bytes allowed")
         if max_bytes is None:

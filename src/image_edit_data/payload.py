@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
 from .atomic import write_bytes_atomic
-from .paths import read_regular_file
-from .validate import fail
+from .paths import read_regular_file, regular_file_size
+from .safetensors_view import read_views
+from .validate import fail, show
 
 PayloadFormat = Literal["pt", "safetensors"]
 FORMAT_KEY = "image_edit_data.format"
@@ -40,18 +39,28 @@ def format_of(path: str | Path) -> PayloadFormat:
 
 
 def load_payload(path: Path, display: str) -> dict[str, Any]:
-    """Load one payload into the contract's dict form without running any code from the file."""
+    """Load one payload into the contract's dict form without running any code from the file.
+
+    Tensors are views of the memory-mapped file where the format allows (safetensors, zip-format
+    `.pt`), so the only copy of their bytes is the one into the batch.
+    """
     try:
-        data = read_regular_file(path, display)
+        size = regular_file_size(path, display)
+        if size == 0:
+            fail(display, "file", "is empty (0 bytes)")
+        if format_of(path) == "safetensors":
+            return from_safetensors(path, display)
+        with path.open("rb") as handle:
+            is_zip = handle.read(4) == b"PK\x03\x04"
+        if is_zip:
+            check_zip_expansion(path, size, display)
+            source: Path | io.BytesIO = path
+        else:
+            source = io.BytesIO(read_regular_file(path, display))  # torch's legacy format cannot be mapped
     except OSError as error:
         fail(display, "file", f"cannot be read: {error.strerror or error}")
-    if not data:
-        fail(display, "file", "is empty (0 bytes)")
-    if format_of(path) == "safetensors":
-        return from_safetensors(data, display)
-    check_zip_expansion(data, display)
     try:
-        loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as error:
         fail(display, "payload", f"refused by the weights-only loader ({unpickler_reason(error)})")
     except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...
@@ -81,37 +90,30 @@ def unpickler_reason(error: pickle.UnpicklingError) -> str:
     return " ".join(text.split()) or "no reason given"
 
 
-def check_zip_expansion(data: bytes, display: str) -> None:
+def check_zip_expansion(path: Path, size: int, display: str) -> None:
     """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
 
     torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
     small file could otherwise expand into gigabytes (a compression bomb).
     """
-    if not data.startswith(b"PK\x03\x04"):
-        return  # torch.load reads it as a legacy (non-zip) file
     try:
-        entries = zipfile.ZipFile(io.BytesIO(data)).infolist()
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
     except Exception as error:  # zipfile raises many types on damaged archives
         fail(display, "payload", f"not a readable torch.save file (damaged zip: {error})")
     unpacked = sum(entry.file_size for entry in entries)
-    if unpacked > len(data):
-        fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {len(data)}-byte file")
+    if unpacked > size:
+        fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {size}-byte file")
 
 
-def from_safetensors(data: bytes, display: str) -> dict[str, Any]:
-    """Rebuild the payload dict from our safetensors form."""
-    try:
-        tensors = load_safetensors_bytes(data)
-        header_size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_size])
-    except (SafetensorError, ValueError, UnicodeDecodeError, OverflowError) as error:
-        fail(display, "payload", f"not a readable safetensors file ({error})")
-    extra = header.get("__metadata__") or {}
+def from_safetensors(path: Path, display: str) -> dict[str, Any]:
+    """Rebuild the payload dict from our safetensors form, as views of the mapped file."""
+    tensors, extra = read_views(path, display)
     if extra.get(FORMAT_KEY) != FORMAT_VERSION:
         fail(
             display,
             FORMAT_KEY,
-            f"expected {FORMAT_VERSION!r} (an image-edit-data payload), got {extra.get(FORMAT_KEY)!r}",
+            f"expected {FORMAT_VERSION!r} (an image-edit-data payload), got {show(extra.get(FORMAT_KEY))}",
         )
     try:
         metadata = json.loads(extra.get(METADATA_KEY, "null"))

@@ -11,6 +11,7 @@ import json
 import math
 import mmap
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -28,7 +29,12 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
+
+
+def unreadable(display: str, reason: str) -> NoReturn:
+    """The one error for a damaged or hostile safetensors file."""
+    fail(display, "payload", f"not a readable safetensors file ({reason})")
 
 
 def read_views(path: Path, display: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -36,51 +42,46 @@ def read_views(path: Path, display: str) -> tuple[dict[str, torch.Tensor], dict[
     with path.open("rb") as handle:
         size = handle.seek(0, 2)
         if size < 8:
-            fail(display, "payload", f"not a safetensors file: {size} bytes, shorter than its 8-byte header length")
+            unreadable(display, f"{size} bytes, shorter than the 8-byte header length")
         # Copy-on-write: writable views without a warning, pages shared with the page cache until written.
         mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     header_length = int.from_bytes(mapped[:8], "little")
     if header_length > min(MAX_HEADER, size - 8):
-        fail(display, "payload", f"safetensors header length {header_length} exceeds the file ({size} bytes)")
+        unreadable(display, f"header length {header_length} exceeds the {size}-byte file")
     try:
         header = json.loads(mapped[8 : 8 + header_length])
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        fail(display, "payload", f"safetensors header is not JSON ({error})")
+    except (UnicodeDecodeError, RecursionError, ValueError) as error:
+        unreadable(display, f"header is not JSON: {str(error)[:200]}")
     if not isinstance(header, dict):
-        fail(display, "payload", "safetensors header is not a JSON object")
+        unreadable(display, "header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        fail(display, "payload", "safetensors __metadata__ must map names to strings")
+        unreadable(display, "__metadata__ must map names to strings")
     data_start = 8 + header_length
     data_size = size - data_start
-    tensors = {}
-    for name, entry in header.items():
-        tensors[name] = view(mapped, data_start, data_size, name, entry, display)
+    tensors = {name: view(mapped, data_start, data_size, name, entry, display) for name, entry in header.items()}
     return tensors, metadata
 
 
 def view(mapped: mmap.mmap, start: int, data_size: int, name: str, entry: object, display: str) -> torch.Tensor:
     """One checked tensor view into the mapped data section."""
     if not isinstance(entry, dict):
-        fail(display, name, "safetensors entry is not an object")
+        unreadable(display, f"entry {name!r} is not an object")
     dtype = DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
-        fail(display, name, f"unsupported safetensors dtype {entry.get('dtype')!r}")
+        unreadable(display, f"tensor {name!r} has unsupported dtype {str(entry.get('dtype'))[:20]!r}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        fail(display, name, f"safetensors shape must be a list of non-negative integers, got {shape!r}")
+        unreadable(display, f"tensor {name!r} shape must be a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
-        fail(display, name, f"safetensors data_offsets must be two integers, got {offsets!r}")
+        unreadable(display, f"tensor {name!r} data_offsets must be two integers")
     begin, end = offsets
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if not 0 <= begin <= end <= data_size or end - begin != expected:
-        fail(
-            display,
-            name,
-            f"safetensors byte range {offsets} does not hold shape {shape} of {entry.get('dtype')} "
-            f"inside a {data_size}-byte data section",
-        )
-    if expected == 0:
+    numel = math.prod(shape)
+    expected = numel * torch.empty((), dtype=dtype).element_size()
+    if not 0 <= begin <= end <= data_size:
+        unreadable(display, f"tensor {name!r} byte range {offsets} lies outside the {data_size}-byte data section")
+    if end - begin != expected:
+        unreadable(display, f"tensor {name!r} byte range {offsets} does not hold shape {shape}")
+    if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=start + begin)
-    return flat.view(shape)
+    return torch.frombuffer(mapped, dtype=dtype, count=numel, offset=start + begin).view(shape)
