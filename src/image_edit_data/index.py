@@ -130,41 +130,121 @@ def load_index(cache_dir: str | Path) -> CacheIndex:
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: cache directory does not exist")
     manifest, shards = load_manifest(root)
-    bucket_of: dict[Signature, int] = {}
-    bucket_ids: list[int] = []
-    paths: list[bytes] = []
-    text_tokens: list[int] = []
-    seen: dict[str, str] = {}
-    checked_dirs: set[str] = set()
+    parsed = ParsedRecords(root)
     for shard in shards:
-        shard_path = resolve_inside(root, shard, MANIFEST, "shards")
-        records = read_json(shard_path, shard)
+        records = read_json(resolve_inside(root, shard, MANIFEST, "shards"), shard)
         if not isinstance(records, list):
             fail(shard, "records", f"expected a JSON list of records, got {type(records).__name__}")
+        parsed.add_shard(shard, records)
+    parsed.check_unique()
+    return build_index(root, manifest, parsed.bucket_of, parsed.bucket_ids, parsed.paths, parsed.text_tokens)
+
+
+class ParsedRecords:
+    """Index records checked and packed as they are read.
+
+    Most records of a real cache look alike, so each is first tried against a cheap check (plain
+    relative path, an already-seen signature spelling, well-typed counts); only a record that fails
+    it goes through the full rules, which either accept it or raise with the shard and field.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.bucket_of: dict[Signature, int] = {}
+        self.known_signatures: dict[str, Signature] = {}  # repr of the JSON value -> checked signature
+        self.checked_dirs: set[str] = set()
+        self.bucket_ids: list[int] = []
+        self.paths: list[bytes] = []
+        self.text_tokens: list[int] = []
+        self.shard_ends: list[tuple[str, int]] = []  # (shard, records so far), to name a record later
+
+    def add_shard(self, shard: str, records: list[Any]) -> None:
+        """Check and pack every record of one shard."""
         for position, record in enumerate(records):
-            where = f"[{position}]"
-            if not isinstance(record, dict):
-                fail(shard, where, f"expected a record object, got {type(record).__name__}")
-            if "cache_file" not in record:
-                fail(shard, f"{where}.cache_file", "missing")
-            relative = contained(root, record["cache_file"], shard, f"{where}.cache_file")
-            if relative in seen:
-                fail(shard, f"{where}.cache_file", f"{relative!r} is listed twice (first at {seen[relative]})")
-            seen[relative] = f"{shard}{where}"
+            quick = self.quick(record)
+            relative, sig = quick if quick is not None else self.checked(record, shard, f"[{position}]")
             parent = relative.rpartition("/")[0]
-            if parent not in checked_dirs:
+            if parent not in self.checked_dirs:
                 # A symlinked directory could lead outside; checking each directory once keeps opening fast.
-                resolve_inside(root, parent or ".", shard, f"{where}.cache_file")
-                checked_dirs.add(parent)
-            sig = validate.signature(
-                record.get("compound_bucket_signature"), shard, f"{where}.compound_bucket_signature"
-            )
-            check_optional_counts(record, sig, shard, where)
-            bucket_ids.append(bucket_of.setdefault(sig, len(bucket_of)))
-            paths.append(relative.encode("utf-8"))
+                resolve_inside(self.root, parent or ".", shard, f"[{position}].cache_file")
+                self.checked_dirs.add(parent)
+            self.bucket_ids.append(self.bucket_of.setdefault(sig, len(self.bucket_of)))
+            self.paths.append(relative.encode("utf-8"))
             text = record.get("text_token_length")
-            text_tokens.append(UNKNOWN if text is None else text)
-    return build_index(root, manifest, bucket_of, bucket_ids, paths, text_tokens)
+            self.text_tokens.append(UNKNOWN if text is None else text)
+        self.shard_ends.append((shard, len(self.paths)))
+
+    def quick(self, record: Any) -> tuple[str, Signature] | None:
+        """The record's path and signature when it plainly passes every rule, else None."""
+        if type(record) is not dict:
+            return None
+        path = record.get("cache_file")
+        if type(path) is not str or not plain_relative_path(path):
+            return None
+        sig = self.known_signatures.get(repr(record.get("compound_bucket_signature")))
+        if sig is None:
+            return None
+        for name in ("target_token_length", "text_token_length"):
+            value = record.get(name)
+            if value is not None and (type(value) is not int or not 0 <= value <= validate.MAX_COUNT):
+                return None
+        contexts = record.get("context_token_lengths")
+        if contexts is not None and (
+            type(contexts) is not list
+            or len(contexts) != len(sig.contexts)
+            or not all(type(n) is int and 0 <= n <= validate.MAX_COUNT for n in contexts)
+        ):
+            return None
+        return path, sig
+
+    def checked(self, record: Any, shard: str, where: str) -> tuple[str, Signature]:
+        """Apply every rule to a record, raising with its shard and field; remember its signature."""
+        if not isinstance(record, dict):
+            fail(shard, where, f"expected a record object, got {type(record).__name__}")
+        if "cache_file" not in record:
+            fail(shard, f"{where}.cache_file", "missing")
+        relative = contained(self.root, record["cache_file"], shard, f"{where}.cache_file")
+        raw = record.get("compound_bucket_signature")
+        sig = validate.signature(raw, shard, f"{where}.compound_bucket_signature")
+        check_optional_counts(record, sig, shard, where)
+        self.known_signatures[repr(raw)] = sig
+        return relative, sig
+
+    def check_unique(self) -> None:
+        """Refuse a payload listed twice, naming both places."""
+        if len(set(self.paths)) == len(self.paths):
+            return
+        first: dict[bytes, int] = {}
+        for number, path in enumerate(self.paths):
+            if path in first:
+                shard, where = self.locate(number)
+                earlier = "".join(map(str, self.locate(first[path])))
+                fail(shard, f"{where}.cache_file", f"{path.decode()!r} is listed twice (first at {earlier})")
+            first[path] = number
+
+    def locate(self, number: int) -> tuple[str, str]:
+        """(shard, `[position]`) of the `number`-th record overall."""
+        start = 0
+        for shard, end in self.shard_ends:
+            if number < end:
+                return shard, f"[{number - start}]"
+            start = end
+        raise IndexError(number)
+
+
+def plain_relative_path(path: str) -> bool:
+    """A path that is already relative and normal, so it needs no further containment check."""
+    return (
+        0 < len(path) <= 1024
+        and path.isascii()
+        and path[0] != "/"
+        and path[-1] != "/"
+        and "\x00" not in path
+        and ".." not in path
+        and "//" not in path
+        and "./" not in path
+        and path != "."
+    )
 
 
 def check_optional_counts(record: Mapping[str, Any], sig: Signature, file: str, where: str) -> None:
