@@ -155,3 +155,28 @@ def test_test_loader_defaults_to_the_training_cache(tmp_path: Path, cache: Path)
     loader = module.test_dataloader()
     assert sum(len(b["metadata"]["sample_indices"]) for b in loader) == 33
     assert torch.is_tensor(next(iter(loader))["image_latents"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_epoch_end_checkpoint_resumes_with_the_next_epochs_order(
+    tmp_path: Path, cache: Path, num_workers: int
+) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    trainer(full, max_epochs=3).fit(RecordingModel(str(full)), datamodule=data(cache))
+    part = tmp_path / "part"
+    part.mkdir()
+    at_epoch_end = pl.callbacks.ModelCheckpoint(
+        dirpath=part,
+        filename="end{epoch}",
+        auto_insert_metric_name=False,
+        every_n_epochs=1,
+        save_on_train_epoch_end=True,
+        save_top_k=-1,
+    )
+    module = ImageEditDataModule(cache_dir=str(cache), batch_size=2, num_workers=num_workers)
+    first = trainer(part, max_epochs=1, enable_checkpointing=True, callbacks=[at_epoch_end])
+    first.fit(RecordingModel(str(part)), datamodule=module)
+    resumed = ImageEditDataModule(cache_dir=str(cache), batch_size=2, num_workers=num_workers)
+    trainer(part, max_epochs=3).fit(RecordingModel(str(part)), datamodule=resumed, ckpt_path=part / "end0.ckpt")
+    assert trained(part) == trained(full)

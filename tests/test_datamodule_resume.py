@@ -61,6 +61,7 @@ SCENARIOS = [
     pytest.param(1, 2, 2, 1, 30, id="1proc-nw2-epoch-boundary"),
     pytest.param(1, 0, 0, 2, 10, id="1proc-nw0-accumulate2"),
     pytest.param(1, 2, 0, 1, 6, id="1proc-workers-2-to-0"),
+    pytest.param(1, 2, 4, 1, 20, id="1proc-workers-2-to-4"),
     pytest.param(2, 2, 2, 1, 11, id="ddp-nw2-epoch2-mid"),
     pytest.param(2, 0, 0, 1, 8, id="ddp-nw0-epoch-boundary"),
     pytest.param(2, 2, 2, 2, 6, id="ddp-nw2-accumulate2"),

@@ -229,10 +229,13 @@ class ImageEditDataModule(pl.LightningDataModule):
         sampler = self.train_loader.batch_sampler
         state = sampler.state_dict()
         position = self.train_loader.position
-        if position is not None:
-            state["epoch"], state["consumed"] = position
-        if state["epoch"] != sampler.epoch:
-            state["history"] = []  # the sampler already moved on; the saved epoch had no world-size change
+        if position is None:
+            return state  # nothing iterated yet: the sampler's own position is exact
+        if position[0] == sampler.epoch:
+            state["consumed"] = position[1]
+        else:
+            # The sampler only moves past an epoch that ended; no batch of its next epoch was trained yet.
+            state["consumed"], state["history"] = 0, []
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
