@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -15,6 +16,9 @@ from .dataset import ImageEditDataset
 from .index_store import STORE_DIR
 from .plan import BucketOrder
 from .sampler import BucketBatchSampler, EvalBatchSampler, check_rank
+
+# torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 class DiffusionDataloaderBuild(NamedTuple):
