@@ -20,7 +20,7 @@ from _build_helpers import (
     write_parquet,
 )
 
-from image_edit_data import ImageEditDataset
+from image_edit_data import ImageEditDataModule, ImageEditDataset
 from image_edit_data.cache.build import BuildOptions, build_cache
 from image_edit_data.cache.hf_encoders import DiffusersVAEEncoder, TransformersTextEncoder
 from image_edit_data.cache.hf_source import HFDatasetSource
@@ -55,7 +55,14 @@ def parquet(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def read_everything(cache: Path) -> list[dict[str, Any]]:
+    """Every sample, after checking that the DataModule trains on each of them exactly once."""
+    data = ImageEditDataModule(cache_dir=str(cache), batch_size=3, num_workers=0, drop_last=False)
+    data.setup("fit")
+    batches = list(data.train_dataloader())
+    seen = sorted(i for batch in batches for i in batch["metadata"]["sample_indices"])
     dataset = ImageEditDataset(cache)
+    assert seen == list(range(len(dataset)))
+    assert all(batch["image_latents"].ndim == 4 for batch in batches)
     return [dataset[i] for i in range(len(dataset))]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,8 @@ def test_every_shipped_config_parses_against_the_real_cli(config: Path, tmp_path
 def test_quickstart_builds_its_cache_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     small = [
         "--config", str(ROOT / "configs/quickstart.yaml"),
-        "--data.demo_samples", "96", "--data.batch_size", "8", "--data.num_workers", "0",
-        "--model.init_args.hidden_dim", "32", "--model.init_args.depth", "1",
+        "--data.demo_samples", "320", "--data.batch_size", "8", "--data.num_workers", "0",
+        "--model.init_args.hidden_dim", "64", "--model.init_args.depth", "2", "--model.init_args.warmup_steps", "5",
         "--trainer.max_epochs", "1",
     ]  # fmt: skip
     first = cli("fit", *small, cwd=tmp_path)
@@ -52,7 +53,9 @@ def test_quickstart_builds_its_cache_trains_checkpoints_and_resumes(tmp_path: Pa
     assert (tmp_path / "data/demo-train/metadata.json").exists()
     assert (tmp_path / "data/demo-val/metadata.json").exists()
     assert (tmp_path / "runs/quickstart/checkpoints/last.ckpt").exists()
-    assert "train/loss: first" in first.stdout + first.stderr
+    report = re.search(r"train/loss: first ([\d.]+), final ([\d.]+)", first.stdout + first.stderr)
+    assert report is not None, "the run reports its first and final loss"
+    assert float(report[2]) < 0.8 * float(report[1]), f"the loss falls clearly: {report[0]}"
     resumed = cli("fit", *small[:-1], "2", "--ckpt_path", "last", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Restoring states from the checkpoint" in resumed.stdout + resumed.stderr
