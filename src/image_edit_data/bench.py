@@ -1,9 +1,11 @@
 """`image-edit-data bench`: index open, index memory, loader throughput and worker memory on one cache.
 
-One run measures, on this machine: opening the index; the machine's memcpy bandwidth; our
-loader at each `--num-workers`; and with `--compare-naive` a plain DataLoader and a bare load
-loop over the same planned batches. It prints numbers only (a table, and `--json PATH`).
-`--make-synthetic N` first writes a cache of realistic sample size (`bench_synthetic`).
+One run measures, on this machine: opening the index; the machine's memcpy bandwidth; our loader
+at each `--num-workers`; with `--compare-naive` a plain DataLoader and a bare load loop over the
+same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader (if installed).
+`--index-only` measures the index alone; `--worker-memory-index N` worker memory over an epoch of
+N records. It prints numbers only (tables, and `--json PATH`). `--make-synthetic N` first writes
+a cache of realistic sample size (`bench_synthetic`).
 """
 
 from __future__ import annotations
@@ -11,50 +13,30 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Literal
 
+import torch
 from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
 from rich.progress import track
 
-from .bench_measure import Run, load_average, machine_info, measure_index_open, memcpy_bandwidth, timed_batches
-from .bench_naive import bare_loop, naive_loader
+from .bench_reference import import_reference
 from .bench_report import render
-from .bench_synthetic import SyntheticSpec, synthetic_spec, write_synthetic_cache
-from .loader import ImageEditDataloaderConfig
-from .payload import format_of
+from .bench_run import BenchOptions, run_index_only, run_loaders, run_worker_memory
+from .bench_synthetic import (
+    SyntheticSpec,
+    synthetic_spec,
+    write_hardlink_cache,
+    write_index_only_cache,
+    write_synthetic_cache,
+)
 
-RESULTS_VERSION = 1
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError)
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    """How each loader run is driven."""
-
-    batch_size: int = 4
-    num_workers: tuple[int, ...] = (0,)
-    batches: int = 200
-    warmup: int = 10
-    prefetch_factor: int = 2
-    compare_naive: bool = False
-    memcpy_mib: int = 256
-
-    def check(self) -> None:
-        """Refuse values no run could use."""
-        for name, value, lowest in (
-            ("--batch-size", self.batch_size, 1),
-            ("--batches", self.batches, 1),
-            ("--warmup", self.warmup, 0),
-            ("--prefetch-factor", self.prefetch_factor, 1),
-            ("--memcpy-mib", self.memcpy_mib, 1),
-            *(("--num-workers", w, 0) for w in self.num_workers),
-        ):
-            if value < lowest:
-                raise ValueError(f"{name}: expected an integer >= {lowest}, got {value}")
 
 
 def bench_parser() -> ArgumentParser:
@@ -66,7 +48,13 @@ def bench_parser() -> ArgumentParser:
     )
     parser.add_argument("cache_dir", type=str | None, nargs="?", default=None, help="Cache to measure.")
     parser.add_argument("--batch-size", type=int, default=4, help="Samples per batch.")
-    parser.add_argument("--num-workers", type=int, nargs="+", default=[0], help="Worker counts to run, in turn.")
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="Worker counts to run, in turn (default 0; 2 with --worker-memory-index).",
+    )
     parser.add_argument("--batches", type=int, default=200, help="Batches timed per run (at most one epoch).")
     parser.add_argument("--warmup", type=int, default=10, help="Batches drawn before the timing starts.")
     parser.add_argument("--prefetch-factor", type=int, default=2, help="Batches each worker loads ahead.")
@@ -76,7 +64,38 @@ def bench_parser() -> ArgumentParser:
         default=False,
         help="Also time a plain DataLoader (one torch.load per sample, stacking collate) and a bare load loop.",
     )
+    parser.add_argument(
+        "--compare-reference",
+        action=ActionYesNo,
+        default=False,
+        help="Also measure NVIDIA NeMo Automodel's ImageEditDataset/ImageEditDataloaderConfig on the same cache "
+        "(install it with `pip install --no-deps nemo-automodel`; it is not a dependency).",
+    )
+    parser.add_argument(
+        "--reference-path", type=str | None, default=None, help="Directory to import the reference from."
+    )
+    parser.add_argument(
+        "--index-only",
+        action=ActionYesNo,
+        default=False,
+        help="Measure only opening the index; with --make-synthetic N, write metadata.json and shards only.",
+    )
+    parser.add_argument(
+        "--worker-memory-index",
+        type=int | None,
+        default=None,
+        help="Write a cache of N records (hard links to one tiny payload) and measure worker memory over one epoch.",
+    )
     parser.add_argument("--memcpy-mib", type=int, default=256, help="Buffer copied to measure memcpy bandwidth.")
+    parser.add_argument(
+        "--wait-load",
+        type=float | None,
+        default=None,
+        help="Before each measurement, wait (up to 15 min) for the 1-minute load average to fall below this.",
+    )
+    parser.add_argument(
+        "--torch-threads", type=int | None, default=None, help="torch.set_num_threads for this process."
+    )
     parser.add_argument("--json", type=str | None, default=None, help="Also write every number to this JSON file.")
     parser.add_argument(
         "--make-synthetic", type=int | None, default=None, help="Write a synthetic cache of N samples and bench it."
@@ -108,28 +127,30 @@ def bench_main(argv: list[str]) -> int:
         args = bench_parser().parse_args(argv)
         options = options_from(args)
         spec = spec_from(args)
+        reference = import_reference(args.reference_path) if options.compare_reference else None
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse reports bad options as ArgumentError/TypeError
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 2
-    temporary = Path(tempfile.mkdtemp(prefix="image-edit-bench-")) if spec and not args.out else None
+    if options.torch_threads is not None:
+        torch.set_num_threads(options.torch_threads)
+    writes = spec is not None or args.worker_memory_index is not None
+    temporary = Path(tempfile.mkdtemp(prefix="image-edit-bench-")) if writes and not args.out else None
     try:
-        if spec is None:
-            cache_dir = Path(args.cache_dir)
-        else:
-            cache_dir = temporary or Path(args.out)
-            bar = partial(track, description="writing synthetic samples", console=console, transient=True)
-            write_synthetic_cache(cache_dir, args.make_synthetic, spec, progress=bar)
-        results = run_bench(cache_dir, options, console)
+        cache_dir = write_cache(args, spec, temporary, console) if writes else Path(args.cache_dir)
+        with warnings.catch_warnings():
+            # Said once per loader built, and about the loaders, not the numbers: pin_memory without a GPU, set_vital.
+            warnings.filterwarnings("ignore", message=".*(pin_memory|set_vital).*")
+            results = run(cache_dir, options, args, console, reference)
     except USER_ERRORS as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 1
     finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
-    results["cache"]["synthetic"] = None if spec is None else {**asdict(spec), "preset": args.preset}
-    results["cache"]["kept"] = temporary is None
+    synthetic = None if spec is None else {**asdict(spec), "preset": args.preset}
+    results["cache"].update(synthetic=synthetic, kept=temporary is None)
     render(results, console)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -137,10 +158,41 @@ def bench_main(argv: list[str]) -> int:
     return 0
 
 
+def run(
+    cache_dir: Path, options: BenchOptions, args: Namespace, console: Console, reference: ModuleType | None
+) -> dict[str, Any]:
+    """The measurements the options ask for."""
+    if not cache_dir.is_dir():
+        raise FileNotFoundError(f"{cache_dir}: cache directory does not exist")
+    if args.worker_memory_index is not None:
+        return run_worker_memory(cache_dir, options, console, reference)
+    if args.index_only:
+        return run_index_only(cache_dir, options, console, reference)
+    return run_loaders(cache_dir, options, console, reference)
+
+
+def write_cache(args: Namespace, spec: SyntheticSpec | None, temporary: Path | None, console: Console) -> Path:
+    """Write the synthetic cache the options ask for and return its directory."""
+    root = temporary or Path(args.out)
+    bar = partial(track, description="writing the synthetic cache", console=console, transient=True)
+    if args.worker_memory_index is not None:
+        return write_hardlink_cache(root, args.worker_memory_index, progress=bar)
+    assert spec is not None  # `writes` in bench_main: one of the two is set
+    if args.index_only:
+        return write_index_only_cache(root, args.make_synthetic, spec.payload_format, progress=bar)
+    return write_synthetic_cache(root, args.make_synthetic, spec, progress=bar)
+
+
 def spec_from(args: Namespace) -> SyntheticSpec | None:
     """The synthetic cache to write, or None to bench CACHE_DIR; refuses contradictory options."""
     if args.json and not Path(args.json).parent.is_dir():
         raise ValueError(f"--json: the directory of {args.json} does not exist")
+    if args.worker_memory_index is not None:
+        if args.cache_dir is not None or args.make_synthetic is not None or args.index_only:
+            raise ValueError(
+                "--worker-memory-index N writes its own cache; drop CACHE_DIR, --make-synthetic, --index-only"
+            )
+        return None
     if args.make_synthetic is None:
         if args.cache_dir is None:
             raise ValueError("expected CACHE_DIR, or --make-synthetic N to bench a synthetic cache")
@@ -152,101 +204,20 @@ def spec_from(args: Namespace) -> SyntheticSpec | None:
 
 def options_from(args: Namespace) -> BenchOptions:
     """Checked options from parsed arguments."""
+    workers = args.num_workers or ([2] if args.worker_memory_index is not None else [0])
+    if args.worker_memory_index is not None and 0 in workers:
+        raise ValueError("--worker-memory-index measures worker processes: expected --num-workers >= 1, got 0")
     options = BenchOptions(
         batch_size=args.batch_size,
-        num_workers=tuple(args.num_workers),
+        num_workers=tuple(workers),
         batches=args.batches,
         warmup=args.warmup,
         prefetch_factor=args.prefetch_factor,
         compare_naive=args.compare_naive,
+        compare_reference=args.compare_reference,
         memcpy_mib=args.memcpy_mib,
+        wait_load=args.wait_load,
+        torch_threads=args.torch_threads,
     )
     options.check()
     return options
-
-
-def run_bench(cache_dir: Path, options: BenchOptions, console: Console) -> dict[str, Any]:
-    """Every measurement on `cache_dir`, as the JSON-ready results dict."""
-    machine = machine_info()
-    with console.status("opening the index"):
-        index, index_numbers = measure_index_open(cache_dir)
-    with console.status("measuring memcpy bandwidth"):
-        memcpy = memcpy_bandwidth(options.memcpy_mib << 20)
-    config = loader_config(cache_dir, options, num_workers=0)
-    sampler = config.build(dp_rank=0, dp_world_size=1, batch_size=options.batch_size).sampler
-    if len(sampler) <= options.warmup:
-        raise ValueError(
-            f"{cache_dir}: one epoch has {len(sampler)} batches of {options.batch_size}, "
-            f"not more than --warmup {options.warmup}; lower --warmup or --batch-size"
-        )
-    # Every run reads these batches: the first epoch of our sampler, cut to warmup + batches.
-    plan = [sampler.batch_for(s).tolist() for s in range(min(len(sampler), options.warmup + options.batches))]
-    paths = [str(index.root / index.relative_path(i)) for i in range(len(index))]
-    sizes = {i: Path(paths[i]).stat().st_size for batch in plan for i in batch}
-    ours: list[Run] = []
-    for workers in options.num_workers:
-        with console.status(f"timing our loader with {workers} workers"):
-            build = loader_config(cache_dir, options, workers).build(
-                dp_rank=0, dp_world_size=1, batch_size=options.batch_size
-            )
-            ours.append(
-                timed_batches(
-                    "ours",
-                    workers,
-                    build.dataloader,
-                    plan,
-                    options.warmup,
-                    sizes,
-                    indices_of=lambda batch: batch["metadata"]["sample_indices"],
-                )
-            )
-    naive: list[Run] = []
-    bare = None
-    if options.compare_naive:
-        for workers in options.num_workers:
-            with console.status(f"timing a plain DataLoader with {workers} workers"):
-                loader = naive_loader(paths, plan, workers, options.prefetch_factor)
-                naive.append(timed_batches("naive", workers, loader, plan, options.warmup, sizes))
-        with console.status("timing a bare load loop"):
-            bare = bare_loop(paths, plan, options.warmup, sizes)
-    limit = memcpy["mb_s"]
-    runs = []
-    for i, run in enumerate(ours):
-        numbers = run.to_json(limit)
-        numbers["ours_over_naive"] = ratio(numbers, naive[i].to_json(limit)) if naive else None
-        numbers["ours_over_bare"] = ratio(numbers, bare.to_json(limit)) if bare else None
-        runs.append(numbers)
-    runs += [run.to_json(limit) for run in [*naive, *([bare] if bare else [])]]
-    formats = sorted({format_of(paths[i]) for i in sizes})
-    return {
-        "version": RESULTS_VERSION,
-        "machine": {**machine, "load_average_1m_end": load_average()},
-        "cache": {
-            "path": str(index.root),
-            "samples": len(index),
-            "buckets": len(index.signatures),
-            "epoch_batches": len(sampler),
-            "formats": formats,
-            "mean_payload_bytes": sum(sizes.values()) / len(sizes),
-        },
-        "settings": {
-            **asdict(options),
-            "num_workers": list(options.num_workers),
-            "measured_batches": len(plan) - options.warmup,
-        },
-        "index": index_numbers,
-        "memcpy": memcpy,
-        "runs": runs,
-    }
-
-
-def loader_config(cache_dir: Path, options: BenchOptions, num_workers: int) -> ImageEditDataloaderConfig:
-    """Our loader as a training run would configure it, at `num_workers`."""
-    return ImageEditDataloaderConfig(
-        cache_dir=str(cache_dir), num_workers=num_workers, prefetch_factor=options.prefetch_factor
-    )
-
-
-def ratio(ours: dict[str, Any], other: dict[str, Any]) -> float:
-    """Our samples/s over another loader's."""
-    return float(ours["samples_s"] / other["samples_s"])

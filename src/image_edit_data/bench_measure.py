@@ -1,7 +1,7 @@
-"""What `image-edit-data bench` measures: the machine, memcpy bandwidth, index open and timed loading.
+"""What `image-edit-data bench` measures: the machine, memcpy bandwidth, worker memory and timed loading.
 
-Memory figures come from `/proc` (Linux); elsewhere they are None. Throughput counts payload
-file bytes, so every loader is charged for the same bytes whatever it does with them.
+Memory figures come from `/proc` (Linux); elsewhere they are None. Throughput counts the payload
+file bytes of the samples a loader yielded, whatever it does with them.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import platform
 import time
-import tracemalloc
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .index import CacheIndex, load_index
-
 MB = 1e6  # throughput is in MB/s of 10^6 bytes
+# `with step("what is measured"):` around each measurement: waits for a quiet machine, shows progress.
+Step = Callable[[str], AbstractContextManager[None]]
 
 
 def read_proc(path: str) -> str | None:
@@ -85,6 +85,16 @@ def load_average() -> float | None:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
+def wait_for_quiet(max_load: float | None, timeout_s: float = 900.0, poll_s: float = 5.0) -> float | None:
+    """Sleep until the 1-minute load average is below `max_load` (at most `timeout_s`); return the load then."""
+    deadline = time.monotonic() + timeout_s
+    load = load_average()
+    while max_load is not None and load is not None and load >= max_load and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        load = load_average()
+    return load
+
+
 def best_rate(copy: Any, nbytes: int, repeats: int) -> float:
     """Best MB/s of `repeats` calls of `copy()`, each moving `nbytes`."""
     copy()  # faults the destination's pages in, so no run pays for first touch
@@ -115,31 +125,6 @@ def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     }
 
 
-def measure_index_open(cache_dir: Path) -> tuple[CacheIndex, dict[str, Any]]:
-    """Open the index twice, timed, then once under tracemalloc; return it with the numbers."""
-    rss_before = rss_bytes()
-    start = time.perf_counter()
-    index = load_index(cache_dir)
-    first_s = time.perf_counter() - start
-    rss_after = rss_bytes()
-    second_s = timed(lambda: load_index(cache_dir))
-    tracemalloc.start()
-    try:
-        load_index(cache_dir)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return index, {
-        "open_first_s": first_s,  # the shards may already be in the page cache: "cold-ish"
-        "open_second_s": second_s,
-        "nbytes": index.nbytes,
-        "bytes_per_sample": index.nbytes / max(len(index), 1),
-        # The kept arrays plus what the allocator still holds from parsing the shards.
-        "rss_growth_bytes": None if rss_before is None or rss_after is None else rss_after - rss_before,
-        "peak_traced_bytes": peak,
-    }
-
-
 @dataclass
 class Run:
     """One timed stretch of batches from one loader."""
@@ -151,6 +136,7 @@ class Run:
     payload_bytes: int
     seconds: float
     workers: list[dict[str, Any]] = field(default_factory=list)
+    load_average_1m: float | None = None  # when the timed batches started
 
     def to_json(self, memcpy_mb_s: float) -> dict[str, Any]:
         """The run's numbers, with rates and the fraction of the memcpy limit."""
@@ -166,12 +152,30 @@ class Run:
             "mb_s": mb_s,
             "memcpy_fraction": mb_s / memcpy_mb_s,
             "workers": self.workers,
+            "load_average_1m": self.load_average_1m,
         }
 
 
 def worker_pids(iterator: object) -> list[int]:
     """PIDs of a multi-process DataLoader iterator's workers (none for an in-process one)."""
     return [int(worker.pid) for worker in getattr(iterator, "_workers", [])]
+
+
+def shut_down(loader: object) -> None:
+    """Stop the workers a DataLoader keeps between epochs (`persistent_workers`); others stop with their iterator."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if iterator is not None:
+        loader._iterator = None  # type: ignore[attr-defined]
+
+
+def worker_memory(pids: Sequence[int], start: Sequence[int | None], end: Sequence[int | None]) -> list[dict[str, Any]]:
+    """Per worker: private memory at the start and end of a stretch, and the growth."""
+    return [
+        {"pid": pid, "uss_start_bytes": a, "uss_end_bytes": b, "uss_growth_bytes": b - a if a and b else None}
+        for pid, a, b in zip(pids, start, end)
+    ]
 
 
 def timed_batches(
@@ -193,19 +197,18 @@ def timed_batches(
     pids = worker_pids(iterator)
     before = [private_bytes(pid) for pid in pids]
     measured = plan[warmup:]
+    load = load_average()
     start = time.perf_counter()
     for _ in measured:
         last = next(iterator)
     seconds = time.perf_counter() - start
     after = [private_bytes(pid) for pid in pids]
-    del iterator  # shuts the workers down before the next run starts its own
+    del iterator  # shuts the workers down before the next run starts its own (unless they persist)
+    shut_down(batches)
     if indices_of is not None and list(indices_of(last)) != list(measured[-1]):
         raise RuntimeError(f"{loader} loader yielded other samples than planned, so loaders would not be comparable")
-    workers = [
-        {"pid": pid, "uss_start_bytes": a, "uss_end_bytes": b, "uss_growth_bytes": b - a if a and b else None}
-        for pid, a, b in zip(pids, before, after)
-    ]
-    return Run(loader, num_workers, len(measured), *plan_totals(measured, sizes), seconds, workers)
+    workers = worker_memory(pids, before, after)
+    return Run(loader, num_workers, len(measured), *plan_totals(measured, sizes), seconds, workers, load)
 
 
 def plan_totals(batches: Sequence[Sequence[int]], sizes: Mapping[int, int]) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from .bench_measure import Run, plan_totals
+from .bench_measure import Run, load_average, plan_totals
 
 
 def naive_load(path: str) -> dict[str, Any]:
@@ -79,9 +79,10 @@ def bare_loop(paths: Sequence[str], plan: Sequence[Sequence[int]], warmup: int, 
         for i in batch:
             naive_load(paths[i])
     measured = plan[warmup:]
+    load = load_average()
     start = time.perf_counter()
     for batch in measured:
         for i in batch:
             naive_load(paths[i])
     seconds = time.perf_counter() - start
-    return Run("bare", None, len(measured), *plan_totals(measured, sizes), seconds)
+    return Run("bare", None, len(measured), *plan_totals(measured, sizes), seconds, load_average_1m=load)

@@ -1,0 +1,230 @@
+"""The three kinds of `image-edit-data bench` run: loaders on a cache, its index only, worker memory over an epoch."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from rich.console import Console
+
+from .bench_index import measure_index_opens
+from .bench_measure import Run, Step, load_average, machine_info, memcpy_bandwidth, timed_batches, wait_for_quiet
+from .bench_naive import bare_loop, naive_loader
+from .bench_reference import (
+    build_reference,
+    convert_payloads,
+    payload_files,
+    reference_plan,
+    reference_version,
+    write_pt_twin_index,
+)
+from .bench_workers import run_epochs
+from .index import CacheIndex
+from .index_store import open_index
+from .loader import ImageEditDataloaderConfig
+from .payload import format_of
+
+RESULTS_VERSION = 2
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """How each measurement is driven."""
+
+    batch_size: int = 4
+    num_workers: tuple[int, ...] = (0,)
+    batches: int = 200
+    warmup: int = 10
+    prefetch_factor: int = 2
+    compare_naive: bool = False
+    compare_reference: bool = False
+    memcpy_mib: int = 256
+    wait_load: float | None = None
+    torch_threads: int | None = None
+
+    def check(self) -> None:
+        """Refuse values no run could use."""
+        for name, value, lowest in (
+            ("--batch-size", self.batch_size, 1),
+            ("--batches", self.batches, 1),
+            ("--warmup", self.warmup, 0),
+            ("--prefetch-factor", self.prefetch_factor, 1),
+            ("--memcpy-mib", self.memcpy_mib, 1),
+            ("--torch-threads", 1 if self.torch_threads is None else self.torch_threads, 1),
+            *(("--num-workers", w, 0) for w in self.num_workers),
+        ):
+            if value < lowest:
+                raise ValueError(f"{name}: expected an integer >= {lowest}, got {value}")
+        if self.wait_load is not None and self.wait_load <= 0:
+            raise ValueError(f"--wait-load: expected a positive load average, got {self.wait_load}")
+
+
+def stepper(console: Console, max_load: float | None) -> Step:
+    """Each measurement's `with step(...)`: wait until the load average is below `max_load`, show what runs."""
+
+    @contextlib.contextmanager
+    def step(what: str) -> Iterator[None]:
+        load = load_average()
+        if max_load is not None and load is not None and load >= max_load:
+            with console.status(f"{what}: waiting for the 1-minute load average ({load:.2f}) to fall below {max_load}"):
+                wait_for_quiet(max_load)
+        with console.status(what):
+            yield
+
+    return step
+
+
+def results_frame(mode: str, options: BenchOptions, reference: ModuleType | None) -> dict[str, Any]:
+    """The keys every run kind reports; each fills in its own."""
+    return {
+        "version": RESULTS_VERSION,
+        "mode": mode,
+        "machine": machine_info(),
+        "settings": {**asdict(options), "num_workers": list(options.num_workers)},
+        "reference": None if reference is None else {"module": reference.__name__, "version": reference_version()},
+        "cache": {},
+        "index": [],
+        "memcpy": None,
+        "runs": [],
+        "epochs": [],
+    }
+
+
+def cache_facts(index: CacheIndex) -> dict[str, Any]:
+    """What the report says about the cache."""
+    return {"path": str(index.root), "samples": len(index), "buckets": len(index.signatures)}
+
+
+def run_index_only(cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None) -> dict:
+    """Open times and memory of the index: ours parsing, ours from the store, the reference."""
+    results = results_frame("index", options, reference)
+    results["index"] = measure_index_opens(cache_dir, reference, stepper(console, options.wait_load))
+    results["cache"] = cache_facts(open_index(cache_dir))
+    results["machine"]["load_average_1m_end"] = load_average()
+    return results
+
+
+def run_worker_memory(cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None) -> dict:
+    """Worker private memory over one whole epoch of ours and the reference."""
+    results = results_frame("worker-memory", options, reference)
+    results["cache"] = cache_facts(open_index(cache_dir))
+    step = stepper(console, options.wait_load)
+    results["epochs"] = run_epochs(
+        cache_dir, options.num_workers, options.batch_size, options.prefetch_factor, options.warmup, reference, step
+    )
+    results["machine"]["load_average_1m_end"] = load_average()
+    return results
+
+
+def run_loaders(cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None) -> dict:
+    """Index opens, memcpy, then every loader on the same cache (see `bench.py`)."""
+    results = results_frame("loaders", options, reference)
+    step = stepper(console, options.wait_load)
+    results["index"] = measure_index_opens(cache_dir, reference, step)  # first: children fork from a small process
+    with step("measuring memcpy bandwidth"):
+        memcpy = results["memcpy"] = memcpy_bandwidth(options.memcpy_mib << 20)
+    index = open_index(cache_dir)
+    sampler = loader_config(cache_dir, options, num_workers=0).build(**build_args(options)).sampler
+    if len(sampler) <= options.warmup:
+        raise ValueError(
+            f"{cache_dir}: one epoch has {len(sampler)} batches of {options.batch_size}, "
+            f"not more than --warmup {options.warmup}; lower --warmup or --batch-size"
+        )
+    # Ours, the plain DataLoader and the bare loop read these batches: our first epoch, cut to warmup + batches.
+    plan = [sampler.batch_for(s).tolist() for s in range(min(len(sampler), options.warmup + options.batches))]
+    paths = [str(index.root / index.relative_path(i)) for i in range(len(index))]
+    sizes = {i: Path(paths[i]).stat().st_size for batch in plan for i in batch}
+    runs: dict[tuple[str, int | None], Run] = {}
+    for workers in options.num_workers:
+        with step(f"timing our loader with {workers} workers"):
+            loader = loader_config(cache_dir, options, workers).build(**build_args(options)).dataloader
+            runs["ours", workers] = timed_batches("ours", workers, loader, plan, options.warmup, sizes, sample_indices)
+    if options.compare_naive:
+        for workers in options.num_workers:
+            with step(f"timing a plain DataLoader with {workers} workers"):
+                loader = naive_loader(paths, plan, workers, options.prefetch_factor)
+                runs["naive", workers] = timed_batches("naive", workers, loader, plan, options.warmup, sizes)
+        with step("timing a bare load loop"):
+            runs["bare", None] = bare_loop(paths, plan, options.warmup, sizes)
+    if reference is not None:
+        runs.update(reference_runs(index, options, reference, len(plan), step))
+    results["runs"] = with_ratios(runs, memcpy["mb_s"])
+    results["cache"] = {
+        **cache_facts(index),
+        "epoch_batches": len(sampler),
+        "formats": sorted({format_of(paths[i]) for i in sizes}),
+        "mean_payload_bytes": sum(sizes.values()) / len(sizes),
+    }
+    results["settings"]["measured_batches"] = len(plan) - options.warmup
+    results["machine"]["load_average_1m_end"] = load_average()
+    return results
+
+
+def reference_runs(
+    index: CacheIndex, options: BenchOptions, reference: ModuleType, batches: int, step: Step
+) -> dict[tuple[str, int | None], Run]:
+    """The reference's loader at each worker count, on the cache or (safetensors) on a `.pt` twin of it."""
+    needs_twin = any(format_of(index.relative_path(i)) != "pt" for i in range(len(index)))
+    twin = Path(tempfile.mkdtemp(prefix="image-edit-bench-pt-twin-")) if needs_twin else None
+    runs: dict[tuple[str, int | None], Run] = {}
+    try:
+        if twin is not None:
+            write_pt_twin_index(index, twin)
+        for workers in options.num_workers:
+            build = build_reference(reference, twin or index.root, workers, options.prefetch_factor, options.batch_size)
+            # Its own sampler's batches: the same bucket structure, its own shuffle.
+            plan = reference_plan(build.sampler, batches)
+            if twin is not None:
+                with step("writing .pt copies of the payloads the reference will read"):
+                    convert_payloads(index, twin, sorted({i for batch in plan for i in batch}))
+            files = payload_files(build.dataloader.dataset, {i for batch in plan for i in batch})
+            sizes = {i: path.stat().st_size for i, path in files.items()}
+            with step(f"timing the reference loader with {workers} workers"):
+                runs["reference", workers] = timed_batches(
+                    "reference", workers, build.dataloader, plan, options.warmup, sizes
+                )
+    finally:
+        if twin is not None:
+            shutil.rmtree(twin, ignore_errors=True)
+    return runs
+
+
+def with_ratios(runs: dict[tuple[str, int | None], Run], memcpy_mb_s: float) -> list[dict[str, Any]]:
+    """Every run's numbers; ours also as ratios over the others at the same worker count."""
+    rows = []
+    for (loader, workers), run in runs.items():
+        numbers = run.to_json(memcpy_mb_s)
+        if loader == "ours":
+            for other, key in (("naive", workers), ("bare", None), ("reference", workers)):
+                base = runs.get((other, key))
+                numbers[f"ours_over_{other}"] = None if base is None else ratio(numbers, base.to_json(memcpy_mb_s))
+        rows.append(numbers)
+    return rows
+
+
+def sample_indices(batch: dict[str, Any]) -> list[int]:
+    """The samples one of our batches holds."""
+    return list(batch["metadata"]["sample_indices"])
+
+
+def build_args(options: BenchOptions) -> dict[str, int]:
+    """The runtime facts our `build()` takes: one rank."""
+    return {"dp_rank": 0, "dp_world_size": 1, "batch_size": options.batch_size}
+
+
+def loader_config(cache_dir: Path, options: BenchOptions, num_workers: int) -> ImageEditDataloaderConfig:
+    """Our loader as a training run would configure it, at `num_workers`."""
+    return ImageEditDataloaderConfig(
+        cache_dir=str(cache_dir), num_workers=num_workers, prefetch_factor=options.prefetch_factor
+    )
+
+
+def ratio(ours: dict[str, Any], other: dict[str, Any]) -> float:
+    """Our samples/s over another loader's."""
+    return float(ours["samples_s"] / other["samples_s"])

@@ -1,0 +1,93 @@
+"""Worker memory over one whole epoch: `image-edit-data bench --worker-memory-index N`.
+
+Forked workers share the parent's index until they write to it; a Python object per sample gets
+written (reference counts, the garbage collector's marks) as the epoch touches it, so each worker
+slowly copies the index. The cache here has N records whose payloads are hard links to one tiny
+file, so an epoch over N records needs neither N payloads' bytes nor their time to write.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .bench_measure import Step, load_average, private_bytes, shut_down, worker_memory, worker_pids
+from .bench_reference import build_reference
+from .loader import ImageEditDataloaderConfig
+
+CHECKS = 20  # private memory samples per epoch, for the highest value
+
+
+def epoch_worker_memory(
+    loader: str, num_workers: int, dataloader: Any, batches: int, batch_size: int, warmup: int
+) -> dict[str, Any]:
+    """Draw one epoch of `batches` from `dataloader`; worker private memory after `warmup` batches and at the end."""
+    iterator = iter(dataloader)
+    for _ in range(warmup):
+        next(iterator)
+    pids = worker_pids(iterator)
+    start = [private_bytes(pid) for pid in pids]
+    highest = list(start)
+    every = max(1, (batches - warmup) // CHECKS)
+    load = load_average()
+    began = time.perf_counter()
+    for step in range(batches - warmup):
+        next(iterator)
+        if step % every == 0:
+            highest = [larger(h, private_bytes(pid)) for h, pid in zip(highest, pids)]
+    seconds = time.perf_counter() - began
+    end = [private_bytes(pid) for pid in pids]  # before the iterator ends, which stops the workers
+    del iterator
+    shut_down(dataloader)
+    workers = worker_memory(pids, start, end)
+    for worker, high in zip(workers, highest):
+        worker["uss_max_bytes"] = larger(high, worker["uss_end_bytes"])
+    return {
+        "loader": loader,
+        "num_workers": num_workers,
+        "batches": batches - warmup,
+        "samples": (batches - warmup) * batch_size,
+        "seconds": seconds,
+        "samples_s": (batches - warmup) * batch_size / seconds,
+        "load_average_1m": load,
+        "workers": workers,
+    }
+
+
+def larger(a: int | None, b: int | None) -> int | None:
+    """The larger of two readings, either of which may be missing."""
+    return max((x for x in (a, b) if x is not None), default=None)
+
+
+def run_epochs(
+    cache_dir: Path,
+    num_workers: tuple[int, ...],
+    batch_size: int,
+    prefetch_factor: int,
+    warmup: int,
+    reference: ModuleType | None,
+    step: Step,
+) -> list[dict[str, Any]]:
+    """An epoch of ours, then of the reference, at each worker count; the loaders are built one at a time."""
+    results = []
+    for workers in num_workers:
+        with step(f"one epoch of our loader with {workers} workers"):
+            config = ImageEditDataloaderConfig(str(cache_dir), num_workers=workers, prefetch_factor=prefetch_factor)
+            build = config.build(dp_rank=0, dp_world_size=1, batch_size=batch_size)
+            run = epoch_worker_memory("ours", workers, build.dataloader, len(build.sampler), batch_size, warmup)
+            results.append(run)
+            del build, config
+            gc.collect()  # the next loader forks its workers from a process without this one's objects
+        if reference is not None:
+            with step(f"one epoch of the reference loader with {workers} workers"):
+                build = build_reference(reference, cache_dir, workers, prefetch_factor, batch_size)
+                run = epoch_worker_memory(
+                    "reference", workers, build.dataloader, len(build.sampler), batch_size, warmup
+                )
+                results.append(run)
+                del build
+                gc.collect()
+    return results
