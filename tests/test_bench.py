@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import math
@@ -185,6 +186,23 @@ def test_hardlink_cache_gives_every_record_its_own_path_to_one_payload(tmp_path:
     dataset = ImageEditDataset(tmp_path)
     assert len(dataset) == 30
     assert [dataset[i]["metadata"]["original_ids"] for i in (0, 29)] == [{"id": "synthetic-0"}] * 2
+
+
+def test_hardlink_cache_starts_a_new_copy_at_the_filesystems_link_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link = os.link
+
+    def limited_link(source: Path, target: Path) -> None:  # a filesystem allowing 10 links per file
+        if Path(source).stat().st_nlink >= 10:
+            raise OSError(errno.EMLINK, "Too many links")
+        link(source, target)
+
+    monkeypatch.setattr("image_edit_data.bench_synthetic.os.link", limited_link)
+    write_hardlink_cache(tmp_path, 25)
+    files = sorted((tmp_path / "samples").iterdir())
+    assert sorted(f.stat().st_nlink for f in files) == [5] * 5 + [10] * 20
+    assert len(ImageEditDataset(tmp_path)) == 25
 
 
 def test_worker_memory_runs_one_whole_epoch_and_samples_each_worker(

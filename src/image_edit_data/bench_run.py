@@ -101,7 +101,9 @@ def cache_facts(index: CacheIndex) -> dict[str, Any]:
     return {"path": str(index.root), "samples": len(index), "buckets": len(index.signatures)}
 
 
-def run_index_only(cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None) -> dict:
+def run_index_only(
+    cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
+) -> dict[str, Any]:
     """Open times and memory of the index: ours parsing, ours from the store, the reference."""
     results = results_frame("index", options, reference)
     results["index"] = measure_index_opens(cache_dir, reference, stepper(console, options.wait_load))
@@ -110,7 +112,9 @@ def run_index_only(cache_dir: Path, options: BenchOptions, console: Console, ref
     return results
 
 
-def run_worker_memory(cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None) -> dict:
+def run_worker_memory(
+    cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
+) -> dict[str, Any]:
     """Worker private memory over one whole epoch of ours and the reference."""
     results = results_frame("worker-memory", options, reference)
     results["cache"] = cache_facts(open_index(cache_dir))
@@ -122,7 +126,9 @@ def run_worker_memory(cache_dir: Path, options: BenchOptions, console: Console, 
     return results
 
 
-def run_loaders(cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None) -> dict:
+def run_loaders(
+    cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
+) -> dict[str, Any]:
     """Index opens, memcpy, then every loader on the same cache (see `bench.py`)."""
     results = results_frame("loaders", options, reference)
     step = stepper(console, options.wait_load)

@@ -8,6 +8,7 @@ Records carry the fields a real cache's records do.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -136,7 +137,7 @@ def write_index_only_cache(root: Path, count: int, payload_format: PayloadFormat
 
 
 def write_hardlink_cache(root: Path, count: int, progress: Progress = iter) -> Path:
-    """Write one tiny `.pt` payload and `count` records, each naming its own hard link to it."""
+    """Write one tiny `.pt` payload and `count` records, each naming its own hard link to it (or to a copy)."""
     check_target(root, count, "--worker-memory-index")
     spec = SyntheticSpec(latent=TINY[0], prompt=TINY[1])
     first = root / "samples" / "sample_00000000.pt"
@@ -150,11 +151,18 @@ def write_hardlink_cache(root: Path, count: int, progress: Progress = iter) -> P
     save_payload(first, payload)
 
     def records() -> Iterator[dict[str, Any]]:
+        source = first
         for i in progress(range(count)):
             relative = f"samples/sample_{i:08d}.pt"
-            if i:
-                # A directory entry of its own (readers refuse a payload named twice), without its bytes.
-                os.link(first, root / relative)
+            try:
+                if i:
+                    # A directory entry of its own (readers refuse a payload named twice), without its bytes.
+                    os.link(source, root / relative)
+            except OSError as error:
+                if error.errno != errno.EMLINK:
+                    raise
+                source = root / relative  # the filesystem's links-per-file limit (65000 on ext4): a new copy
+                save_payload(source, payload)
             yield record(i, relative, spec.signature, spec.prompt[0])
 
     write_index(root, records(), {"synthetic": {"hard_links_to_one_payload": True, "samples": count}})
