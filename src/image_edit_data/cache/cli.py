@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from jsonargparse import ActionYesNo, ArgumentParser
+from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
 
 from .build import BuildOptions
@@ -22,7 +22,7 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeEr
 
 
 def cache_parser() -> ArgumentParser:
-    """`cache build|validate|inspect`."""
+    """`cache build|validate|inspect|convert`."""
     parser = ArgumentParser(
         prog="image-edit-data cache", description="Build, validate or inspect a cache.", exit_on_error=False
     )
@@ -38,6 +38,12 @@ def cache_parser() -> ArgumentParser:
     inspect.add_argument("--histogram", type=str | None, default=None, help="Write shape/token plots to this PNG.")
     inspect.add_argument("--patch-size", type=int | None, default=None, help="Latent cells per token side.")
     commands.add_subcommand("inspect", inspect, help="Print the bucket table.")
+    convert = ArgumentParser(description="Rewrite every payload in another format.", exit_on_error=False)
+    convert.add_argument("cache_dir", type=str, help="The cache to read (left untouched).")
+    convert.add_argument("out_dir", type=str, help="A new directory for the converted cache.")
+    convert.add_argument("--format", type=Literal["pt", "safetensors"], default="safetensors", help="Payload format.")
+    convert.add_argument("--workers", type=int, default=4, help="Threads converting payloads.")
+    commands.add_subcommand("convert", convert, help="Convert payloads (e.g. NeMo .pt -> safetensors); resumable.")
     return parser
 
 
@@ -65,6 +71,8 @@ def cache_main(argv: list[str]) -> int:
             from .check import validate_main
 
             return validate_main(args.validate, console)
+        if command == "convert":
+            return convert_main(args.convert, console)
         from .inspect import inspect_main
 
         return inspect_main(args.inspect, console)
@@ -76,6 +84,19 @@ def cache_main(argv: list[str]) -> int:
     except USER_ERRORS as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 1
+
+
+def convert_main(args: Namespace, console: Console) -> int:
+    """Run `cache convert` and report what it wrote."""
+    from .convert import convert_cache
+
+    report = convert_cache(args.cache_dir, args.out_dir, args.format, workers=args.workers)
+    console.print(
+        f"converted {report.converted} samples ({report.reused} already done) into {args.out_dir} "
+        f"as {args.format}, {report.shards} index shard(s)",
+        highlight=False,
+    )
+    return 0
 
 
 def demo_cache_main(argv: list[str]) -> int:

@@ -1,0 +1,50 @@
+"""`cache convert` rewrites payloads in the other format with the same samples in the same order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cachefactory import make_payload, tiny_cache, write_cache
+
+from image_edit_data.cache.cli import cache_main
+from image_edit_data.cache.convert import convert_cache
+from image_edit_data.dataset import ImageEditDataset
+
+
+def same_samples(a: ImageEditDataset, b: ImageEditDataset) -> None:
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        for key in ("target_latent", "prompt_embeddings", "prompt_attention_mask"):
+            assert torch.equal(x[key], y[key]) and x[key].dtype == y[key].dtype, key
+        assert all(torch.equal(p, q) for p, q in zip(x["context_latents"], y["context_latents"]))
+        assert x["metadata"] == y["metadata"]
+
+
+def test_a_nemo_cache_converts_to_safetensors_and_back(tmp_path: Path) -> None:
+    cond = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
+    source = write_cache(tmp_path / "pt", [make_payload(i, conditioning=cond) for i in range(5)], shards=2)
+    assert cache_main(["convert", str(source), str(tmp_path / "st")]) == 0
+    converted = ImageEditDataset(tmp_path / "st")
+    assert all(p.suffix == ".safetensors" for p in (tmp_path / "st" / "samples").iterdir())
+    same_samples(ImageEditDataset(source), converted)
+    records = json.loads((tmp_path / "st" / "metadata_shard_0000.json").read_text())
+    assert records[0]["target_token_length"] == 64 and records[0]["text_token_length"] == 5
+    convert_cache(tmp_path / "st", tmp_path / "back", "pt")
+    same_samples(converted, ImageEditDataset(tmp_path / "back"))
+
+
+def test_a_rerun_reuses_finished_payloads_and_an_existing_cache_is_not_overwritten(tmp_path: Path) -> None:
+    source = tiny_cache(tmp_path / "src")
+    out = tmp_path / "out"
+    (out / "samples").mkdir(parents=True)
+    convert_cache(source, out, "safetensors")
+    (out / "metadata.json").unlink()  # as if the first run died before writing the index
+    report = convert_cache(source, out, "safetensors")
+    assert (report.converted, report.reused) == (0, 12)
+    same_samples(ImageEditDataset(source), ImageEditDataset(out))
+    with pytest.raises(ValueError, match="already holds a finished cache"):
+        convert_cache(source, out, "safetensors")
