@@ -95,6 +95,19 @@ def wait_for_quiet(max_load: float | None, timeout_s: float = 900.0, poll_s: flo
     return load
 
 
+def warm_page_cache(paths: Iterable[str | Path], chunk: int = 1 << 20) -> None:
+    """Read each file once, so timed runs read from memory, not from whatever the disk does then.
+
+    The kernel may have dropped pages of a cache written minutes ago (memory pressure, proactive
+    reclaim); without this, whichever loader runs first would pay for the disk.
+    """
+    buffer = bytearray(chunk)
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.readinto(buffer):
+                pass
+
+
 def best_rate(copy: Any, nbytes: int, repeats: int) -> float:
     """Best MB/s of `repeats` calls of `copy()`, each moving `nbytes`."""
     copy()  # faults the destination's pages in, so no run pays for first touch

@@ -14,7 +14,16 @@ from typing import Any
 from rich.console import Console
 
 from .bench_index import measure_index_opens
-from .bench_measure import Run, Step, load_average, machine_info, memcpy_bandwidth, timed_batches, wait_for_quiet
+from .bench_measure import (
+    Run,
+    Step,
+    load_average,
+    machine_info,
+    memcpy_bandwidth,
+    timed_batches,
+    wait_for_quiet,
+    warm_page_cache,
+)
 from .bench_naive import bare_loop, naive_loader
 from .bench_reference import (
     build_reference,
@@ -147,16 +156,20 @@ def run_loaders(
     paths = [str(index.root / index.relative_path(i)) for i in range(len(index))]
     sizes = {i: Path(paths[i]).stat().st_size for batch in plan for i in batch}
     runs: dict[tuple[str, int | None], Run] = {}
+    planned = [paths[i] for i in sizes]  # read once before each run: every loader starts from the page cache
     for workers in options.num_workers:
         with step(f"timing our loader with {workers} workers"):
+            warm_page_cache(planned)
             loader = loader_config(cache_dir, options, workers).build(**build_args(options)).dataloader
             runs["ours", workers] = timed_batches("ours", workers, loader, plan, options.warmup, sizes, sample_indices)
     if options.compare_naive:
         for workers in options.num_workers:
             with step(f"timing a plain DataLoader with {workers} workers"):
+                warm_page_cache(planned)
                 loader = naive_loader(paths, plan, workers, options.prefetch_factor)
                 runs["naive", workers] = timed_batches("naive", workers, loader, plan, options.warmup, sizes)
         with step("timing a bare load loop"):
+            warm_page_cache(planned)
             runs["bare", None] = bare_loop(paths, plan, options.warmup, sizes)
     if reference is not None:
         runs.update(reference_runs(index, options, reference, len(plan), step))
@@ -192,6 +205,7 @@ def reference_runs(
             files = payload_files(build.dataloader.dataset, {i for batch in plan for i in batch})
             sizes = {i: path.stat().st_size for i, path in files.items()}
             with step(f"timing the reference loader with {workers} workers"):
+                warm_page_cache(files.values())
                 runs["reference", workers] = timed_batches(
                     "reference", workers, build.dataloader, plan, options.warmup, sizes
                 )

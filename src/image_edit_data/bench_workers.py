@@ -4,12 +4,20 @@ Forked workers share the parent's index until they write to it; a Python object 
 written (reference counts, the garbage collector's marks) as the epoch touches it, so each worker
 slowly copies the index. The cache here has N records whose payloads are hard links to one tiny
 file, so an epoch over N records needs neither N payloads' bytes nor their time to write.
+
+Each epoch runs in a process forked from a fork server (an interpreter that has only imported
+this module), which builds the loader and forks its workers: a worker also turns private every
+page of free heap it inherits and reuses, so forking from the bench itself (which has just written
+and parsed N records) would charge each loader for the bench's garbage.
 """
 
 from __future__ import annotations
 
-import gc
+import importlib
+import multiprocessing
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -62,6 +70,29 @@ def larger(a: int | None, b: int | None) -> int | None:
     return max((x for x in (a, b) if x is not None), default=None)
 
 
+def epoch_in_child(
+    loader: str,
+    cache_dir: str,
+    workers: int,
+    batch_size: int,
+    prefetch_factor: int,
+    warmup: int,
+    reference: tuple[str, str] | None,
+) -> dict[str, Any]:
+    """Build one loader (`reference`: the reference's module and its import root) and run `epoch_worker_memory`."""
+    # This process came from the fork server, whose start method it inherits; loaders fork their workers.
+    multiprocessing.set_start_method("fork", force=True)
+    if loader == "reference" and reference is not None:
+        name, root = reference
+        if root not in sys.path:  # the fork server may have started before the bench added it
+            sys.path.insert(0, root)
+        build = build_reference(importlib.import_module(name), Path(cache_dir), workers, prefetch_factor, batch_size)
+    else:
+        config = ImageEditDataloaderConfig(cache_dir, num_workers=workers, prefetch_factor=prefetch_factor)
+        build = config.build(dp_rank=0, dp_world_size=1, batch_size=batch_size)
+    return epoch_worker_memory(loader, workers, build.dataloader, len(build.sampler), batch_size, warmup)
+
+
 def run_epochs(
     cache_dir: Path,
     num_workers: tuple[int, ...],
@@ -71,23 +102,26 @@ def run_epochs(
     reference: ModuleType | None,
     step: Step,
 ) -> list[dict[str, Any]]:
-    """An epoch of ours, then of the reference, at each worker count; the loaders are built one at a time."""
+    """An epoch of ours, then of the reference, at each worker count, each in a process of its own."""
+    loaders = ["ours", *(["reference"] if reference is not None else [])]
+    where = None if reference is None else (reference.__name__, import_root(reference))
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
     results = []
     for workers in num_workers:
-        with step(f"one epoch of our loader with {workers} workers"):
-            config = ImageEditDataloaderConfig(str(cache_dir), num_workers=workers, prefetch_factor=prefetch_factor)
-            build = config.build(dp_rank=0, dp_world_size=1, batch_size=batch_size)
-            run = epoch_worker_memory("ours", workers, build.dataloader, len(build.sampler), batch_size, warmup)
-            results.append(run)
-            del build, config
-            gc.collect()  # the next loader forks its workers from a process without this one's objects
-        if reference is not None:
-            with step(f"one epoch of the reference loader with {workers} workers"):
-                build = build_reference(reference, cache_dir, workers, prefetch_factor, batch_size)
-                run = epoch_worker_memory(
-                    "reference", workers, build.dataloader, len(build.sampler), batch_size, warmup
-                )
-                results.append(run)
-                del build
-                gc.collect()
+        for loader in loaders:
+            with (
+                step(f"one epoch of the {loader} loader with {workers} workers"),
+                ProcessPoolExecutor(1, mp_context=context) as pool,
+            ):
+                args = (str(cache_dir), workers, batch_size, prefetch_factor, warmup, where)
+                results.append(pool.submit(epoch_in_child, loader, *args).result())
     return results
+
+
+def import_root(module: ModuleType) -> str:
+    """The sys.path entry `module` was imported from (the directory holding its top-level package)."""
+    root = Path(str(module.__file__))
+    for _ in module.__name__.split("."):
+        root = root.parent
+    return str(root)
