@@ -52,7 +52,8 @@ class CacheIndex:
 
     def payload_path(self, index: int) -> Path:
         """Absolute payload path of sample `index`, refusing symlinks that leave the cache."""
-        return resolve_inside(self.root, self.relative_path(index), self.relative_path(index), "cache_file")
+        relative = self.relative_path(index)
+        return resolve_inside(self.root, relative, relative, "cache_file")
 
     def signature(self, index: int) -> Signature:
         """Compound signature of sample `index`."""

@@ -64,13 +64,6 @@ def open_regular(path: Path, display: str) -> tuple[int, os.stat_result]:
     return descriptor, info
 
 
-def regular_file_size(path: Path, display: str) -> int:
-    """The size of `path`, which must be a regular file (see `open_regular`)."""
-    descriptor, info = open_regular(path, display)
-    os.close(descriptor)
-    return info.st_size
-
-
 def read_regular_file(path: Path, display: str, max_bytes: int | None = None) -> bytes:
     """The bytes of `path`, refusing anything but a regular file (and files over `max_bytes`)."""
     descriptor, info = open_regular(path, display)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import re
 import zipfile
@@ -21,7 +22,7 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 
 from .atomic import write_bytes_atomic
-from .paths import read_regular_file, regular_file_size
+from .paths import open_regular, read_regular_file
 from .safetensors_view import read_views
 from .validate import fail, show
 
@@ -45,13 +46,17 @@ def load_payload(path: Path, display: str) -> dict[str, Any]:
     `.pt`), so the only copy of their bytes is the one into the batch.
     """
     try:
-        size = regular_file_size(path, display)
+        descriptor, info = open_regular(path, display)
+        try:
+            size = info.st_size
+            magic = os.pread(descriptor, 4, 0)  # one open serves the type check and the format sniff
+        finally:
+            os.close(descriptor)
         if size == 0:
             fail(display, "file", "is empty (0 bytes)")
         if format_of(path) == "safetensors":
             return from_safetensors(path, display)
-        with path.open("rb") as handle:
-            is_zip = handle.read(4) == b"PK\x03\x04"
+        is_zip = magic == b"PK\x03\x04"
         if is_zip:
             check_zip_expansion(path, size, display)
             source: Path | io.BytesIO = path
