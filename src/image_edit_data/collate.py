@@ -1,44 +1,237 @@
-"""Stack one bucket's samples into a batch: latents stacked, prompts zero-padded, tokens counted."""
+"""Assemble one bucket's samples into a batch: every tensor copied once into one buffer, prompts zero-padded.
+
+A batch's tensors are views of one flat byte buffer. Sample tensors are either in memory (`.pt`,
+or samples built by hand) or `FileTensor`s still in their safetensors file, which are read by the
+kernel straight into their place in the buffer. In a loader worker the buffer is shared memory,
+and the batch crosses to the training process as that one buffer plus where each tensor lies in
+it (`SharedBatch`), instead of one shared-memory hand-off per tensor.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
+
+from .file_tensor import FileTensor, read_into
+from .shared_batch import SharedBatch
+
+ALIGNMENT = 64  # every batch tensor starts on a cache line, so typed views of the buffer are aligned
+Source = torch.Tensor | FileTensor
+
+
+class Field(NamedTuple):
+    """One batch tensor: where it goes in the batch dict, its shape, and each sample's part of it."""
+
+    key: str
+    name: str | int | None  # position in `context_latents` or name in `conditioning_tensors`
+    shape: tuple[int, ...]  # batch shape: (batch, *sample shape); padded fields take the longest row
+    dtype: torch.dtype
+    sources: list[Source]
 
 
 def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Collate samples of one compound signature into the batch contract of the cache format."""
+    if isinstance(samples, AssembledSamples):  # the dataset already built this batch
+        return samples.batch
     if not samples:
         raise ValueError("cannot collate an empty batch")
-    skipped = [entry for s in samples for entry in s.get("skipped", ())]
+    fields = batch_fields(samples)
+    offsets, nbytes = layout(fields)
+    buffer = allocate(nbytes)
+    tensors = [place(buffer, offset, field) for field, offset in zip(fields, offsets)]
+    fill(buffer, offsets, fields)
+    batch = batch_dict(samples, fields, tensors)
+    return SharedBatch(batch, buffer) if get_worker_info() is not None else batch
+
+
+def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
+    """The batch's tensors, after checking that every sample has the same compound signature."""
     first = samples[0]
-    check_same(samples, lambda s: (s["target_latent"].shape, s["target_latent"].dtype), "target_latent shape/dtype")
+    check_same(samples, lambda s: described(s["target_latent"]), "target_latent shape/dtype")
     check_same(
         samples,
-        lambda s: tuple((c.shape, c.dtype) for c in s["context_latents"]),
+        lambda s: ", ".join(described(c) for c in s["context_latents"]),
         "ordered context_latents shapes/dtypes",
     )
     check_same(
-        samples, lambda s: (s["prompt_embeddings"].shape[1], s["prompt_embeddings"].dtype), "prompt hidden size/dtype"
+        samples,
+        lambda s: f"{s['prompt_embeddings'].shape[1]} {str(s['prompt_embeddings'].dtype).removeprefix('torch.')}",
+        "prompt hidden size/dtype",
     )
-    check_same(samples, lambda s: s["prompt_attention_mask"].dtype, "prompt_attention_mask dtype")
-    embeddings, mask = pad_prompts(samples)
+    check_same(
+        samples, lambda s: str(s["prompt_attention_mask"].dtype).removeprefix("torch."), "prompt_attention_mask dtype"
+    )
+    names = sorted(first["conditioning_tensors"])
+    for i, sample in enumerate(samples[1:], start=1):
+        if sorted(sample["conditioning_tensors"]) != names:
+            raise ValueError(
+                f"conditioning_tensors names differ within a batch: sample {i} has "
+                f"{sorted(sample['conditioning_tensors'])}, sample 0 has {names}"
+            )
+    for name in names:
+        check_same(
+            samples,
+            lambda s, n=name: described(s["conditioning_tensors"][n]),
+            f"conditioning tensor {name!r} shape/dtype",
+        )
+    size = len(samples)
+    longest = max(s["prompt_embeddings"].shape[0] for s in samples)
+    embeddings = [s["prompt_embeddings"] for s in samples]
+    masks = [s["prompt_attention_mask"] for s in samples]
+    contexts = range(len(first["context_latents"]))
+    return [
+        stacked("image_latents", None, [s["target_latent"] for s in samples]),
+        *(stacked("context_latents", i, [s["context_latents"][i] for s in samples]) for i in contexts),
+        Field("text_embeddings", None, (size, longest, embeddings[0].shape[1]), embeddings[0].dtype, embeddings),
+        Field("text_attention_mask", None, (size, longest), masks[0].dtype, masks),
+        *(stacked("conditioning_tensors", n, [s["conditioning_tensors"][n] for s in samples]) for n in names),
+    ]
+
+
+def described(tensor: Source) -> str:
+    """Shape and dtype (`[4, 8, 8] float32`), for comparing samples and for error messages."""
+    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def stacked(key: str, name: str | int | None, sources: list[Source]) -> Field:
+    """A field whose samples all have one shape, stacked along a new batch dimension."""
+    return Field(key, name, (len(sources), *sources[0].shape), sources[0].dtype, sources)
+
+
+def check_same(samples: Sequence[dict[str, Any]], key: Any, what: str) -> None:
+    """Refuse a batch whose samples disagree on `key` (one compound signature per batch)."""
+    values = [key(s) for s in samples]
+    if any(v != values[0] for v in values[1:]):
+        differing = next(i for i, v in enumerate(values) if v != values[0])
+        raise ValueError(
+            f"a batch must hold one compound signature: {what} of sample {differing} is {values[differing]}, "
+            f"sample 0 has {values[0]}"
+        )
+
+
+def layout(fields: Sequence[Field]) -> tuple[list[int], int]:
+    """Byte offset of each field in the batch buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for field in fields:
+        end = -(-end // ALIGNMENT) * ALIGNMENT
+        offsets.append(end)
+        end += field_bytes(field)
+    return offsets, end
+
+
+def field_bytes(field: Field) -> int:
+    """Bytes one field takes in the buffer."""
+    numel = 1
+    for size in field.shape:
+        numel *= size
+    return numel * field.dtype.itemsize
+
+
+def allocate(nbytes: int) -> torch.Tensor:
+    """An uninitialised byte buffer for one batch; in a loader worker, directly in shared memory.
+
+    A worker hands its batch to the training process through shared memory. Allocating it there
+    up front means the payload bytes are copied once (file pages -> batch) instead of once more
+    when the batch is sent.
+    """
+    if get_worker_info() is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def place(buffer: torch.Tensor, offset: int, field: Field) -> torch.Tensor:
+    """The typed batch tensor of `field`: a view of its bytes in `buffer`."""
+    nbytes = field_bytes(field)
+    return buffer[offset : offset + nbytes].view(field.dtype).view(field.shape)
+
+
+def fill(buffer: torch.Tensor, offsets: Sequence[int], fields: Sequence[Field]) -> None:
+    """Copy every sample's part of every field into the buffer, zero-padding short prompt rows.
+
+    Parts still in a file are collected per file and read in file order, so the contiguous tensors
+    of one safetensors payload arrive with one `preadv` call.
+    """
+    target = buffer.numpy()
+    reads: dict[int, list[tuple[int, int, FileTensor]]] = {}
+    for field, offset in zip(fields, offsets):
+        row_bytes = field_bytes(field) // max(1, field.shape[0])
+        for row, source in enumerate(field.sources):
+            start = offset + row * row_bytes
+            count = source.nbytes if isinstance(source, FileTensor) else source.numel() * source.element_size()
+            if count < row_bytes:
+                target[start + count : start + row_bytes] = 0
+            if count == 0:
+                continue
+            if isinstance(source, FileTensor):
+                reads.setdefault(source.descriptor, []).append((source.offset, start, source))
+            else:
+                copy_tensor(target, start, count, source)
+    for parts in reads.values():
+        read_parts(target, sorted(parts, key=lambda part: part[0]))
+
+
+def copy_tensor(target: np.ndarray, start: int, count: int, source: torch.Tensor) -> None:
+    """Copy an in-memory tensor's bytes to `target[start:]`: one memcpy, without torch's thread pool."""
+    if source.is_contiguous():
+        target[start : start + count] = source.reshape(-1).view(torch.uint8).numpy()
+    else:
+        destination = torch.from_numpy(target[start : start + count]).view(source.dtype).view(source.shape)
+        destination.copy_(source)
+
+
+def read_parts(target: np.ndarray, parts: Sequence[tuple[int, int, FileTensor]]) -> None:
+    """Read one file's tensors (sorted by file offset) into `target`, one `preadv` per contiguous run."""
+    view = memoryview(target)  # type: ignore[arg-type]  # numpy arrays are buffers
+    run: list[tuple[int, int, FileTensor]] = []
+    for part in parts:
+        if run and run[-1][0] + run[-1][2].nbytes != part[0]:
+            read_run(view, run)
+            run = []
+        run.append(part)
+    if run:
+        read_run(view, run)
+
+
+def read_run(view: memoryview, run: Sequence[tuple[int, int, FileTensor]]) -> None:
+    """Scatter one contiguous byte range of a file into the tensors' places in the buffer."""
+    first = run[0][2]
+    buffers = [view[start : start + tensor.nbytes] for _, start, tensor in run]
+    total = sum(tensor.nbytes for _, _, tensor in run)
+    if os.preadv(first.descriptor, buffers, first.offset) == total:
+        return
+    for _, start, tensor in run:  # a short read (signal, or the file changed): finish part by part
+        read_into(tensor.descriptor, tensor.offset, view[start : start + tensor.nbytes], tensor.display)
+
+
+def batch_dict(
+    samples: Sequence[dict[str, Any]], fields: Sequence[Field], tensors: Sequence[torch.Tensor]
+) -> dict[str, Any]:
+    """The batch contract: tensors by key, token counts and where the batch came from."""
+    by_key: dict[str, Any] = {"context_latents": [], "conditioning_tensors": {}}
+    for field, tensor in zip(fields, tensors):
+        if field.key == "context_latents":
+            by_key["context_latents"].append(tensor)
+        elif field.key == "conditioning_tensors":
+            by_key["conditioning_tensors"][field.name] = tensor
+        else:
+            by_key[field.key] = tensor
     metadata = [s["metadata"] for s in samples]
     target_tokens = [int(m["target_token_length"]) for m in metadata]
     context_tokens = [int(sum(m["context_token_lengths"])) for m in metadata]
     text_tokens = [int(m["text_token_length"]) for m in metadata]
     total_tokens = [t + c + x for t, c, x in zip(target_tokens, context_tokens, text_tokens)]
     batch: dict[str, Any] = {
-        "image_latents": stack([s["target_latent"] for s in samples]),
-        "context_latents": [
-            stack([s["context_latents"][i] for s in samples]) for i in range(len(first["context_latents"]))
-        ],
-        "text_embeddings": embeddings,
-        "text_attention_mask": mask,
-        "conditioning_tensors": stack_conditioning(samples),
+        "image_latents": by_key["image_latents"],
+        "context_latents": by_key["context_latents"],
+        "text_embeddings": by_key["text_embeddings"],
+        "text_attention_mask": by_key["text_attention_mask"],
+        "conditioning_tensors": by_key["conditioning_tensors"],
         "data_type": "image",
         "metadata": {
             "samples": metadata,
@@ -53,8 +246,10 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "total_token_count": sum(total_tokens),
         },
     }
+    first = samples[0]
     if "position" in first:
         batch["metadata"]["position"] = list(first["position"])
+    skipped = [entry for s in samples for entry in s.get("skipped", ())]
     if skipped or "skipped" in first:
         batch["metadata"]["skipped"] = len(skipped)
         batch["metadata"]["skipped_samples"] = skipped
@@ -63,69 +258,32 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
-def check_same(samples: Sequence[dict[str, Any]], key: Any, what: str) -> None:
-    """Refuse a batch whose samples disagree on `key` (one compound signature per batch)."""
-    values = [key(s) for s in samples]
-    if any(v != values[0] for v in values[1:]):
-        differing = next(i for i, v in enumerate(values) if v != values[0])
-        raise ValueError(
-            f"a batch must hold one compound signature: {what} of sample {differing} is {values[differing]}, "
-            f"sample 0 has {values[0]}"
-        )
+class AssembledSamples(Sequence[dict[str, Any]]):
+    """A batch's samples as the dataset returns them, with the batch already assembled.
 
-
-def pad_prompts(samples: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad prompt embeddings `[S_i, D]` and masks `[S_i]` to the longest `S` of the batch."""
-    longest = max(s["prompt_embeddings"].shape[0] for s in samples)
-    first_embedding = samples[0]["prompt_embeddings"]
-    embeddings = allocate((len(samples), longest, first_embedding.shape[1]), first_embedding.dtype)
-    mask = allocate((len(samples), longest), samples[0]["prompt_attention_mask"].dtype)
-    for row, sample in enumerate(samples):
-        length = sample["prompt_embeddings"].shape[0]
-        embeddings[row, :length] = sample["prompt_embeddings"]
-        embeddings[row, length:] = 0
-        mask[row, :length] = sample["prompt_attention_mask"]
-        mask[row, length:] = 0
-    return embeddings, mask
-
-
-def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised batch tensor; in a loader worker, directly in shared memory.
-
-    A worker hands its batch to the training process through shared memory. Allocating it there
-    up front means the payload bytes are copied once (file pages -> batch) instead of once more
-    when the batch is sent.
+    `collate_image_edit` returns `batch` as it is; any other collate function sees ordinary sample
+    dicts, whose tensors are views of the batch's rows.
     """
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=dtype)
-    numel = 1
-    for size in shape:
-        numel *= size
-    storage = torch.UntypedStorage._new_shared(numel * torch.empty((), dtype=dtype).element_size())
-    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
+    def __init__(self, batch: dict[str, Any], samples: Sequence[dict[str, Any]]) -> None:
+        self.batch = batch
+        self._samples = samples
 
-def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`torch.stack` into a tensor from `allocate`."""
-    out = allocate((len(tensors), *tensors[0].shape), tensors[0].dtype)
-    return torch.stack(list(tensors), out=out)
+    def __len__(self) -> int:
+        return len(self._samples)
 
-
-def stack_conditioning(samples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack named conditioning tensors; every sample must have the same names, shapes and dtypes."""
-    names = set(samples[0]["conditioning_tensors"])
-    for i, sample in enumerate(samples[1:], start=1):
-        if set(sample["conditioning_tensors"]) != names:
-            raise ValueError(
-                f"conditioning_tensors names differ within a batch: sample {i} has "
-                f"{sorted(sample['conditioning_tensors'])}, sample 0 has {sorted(names)}"
-            )
-    stacked = {}
-    for name in sorted(names):
-        check_same(
-            samples,
-            lambda s, n=name: (tuple(s["conditioning_tensors"][n].shape), s["conditioning_tensors"][n].dtype),
-            f"conditioning tensor {name!r} shape/dtype",
-        )
-        stacked[name] = stack([s["conditioning_tensors"][name] for s in samples])
-    return stacked
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        row = range(len(self))[index]
+        sample = self._samples[row]
+        batch = self.batch
+        length = sample["prompt_embeddings"].shape[0]
+        return {
+            **sample,
+            "target_latent": batch["image_latents"][row],
+            "context_latents": [c[row] for c in batch["context_latents"]],
+            "prompt_embeddings": batch["text_embeddings"][row, :length],
+            "prompt_attention_mask": batch["text_attention_mask"][row, :length],
+            "conditioning_tensors": {n: t[row] for n, t in batch["conditioning_tensors"].items()},
+        }

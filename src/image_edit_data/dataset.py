@@ -11,10 +11,12 @@ from torch.utils.data import Dataset
 
 from . import validate
 from .buckets import Signature
+from .collate import AssembledSamples, collate_image_edit
 from .corrupt import CorruptPolicy, SkipLog
 from .index import CacheIndex
 from .index_store import open_index
-from .payload import load_payload
+from .paths import ContainedOpener
+from .payload import OpenPayload, open_payload
 
 
 class ImageEditDataset(Dataset):
@@ -43,47 +45,78 @@ class ImageEditDataset(Dataset):
             on_corrupt_sample, max_corrupt_fraction, len(self.index), Path(quarantine_file) if quarantine_file else None
         )
         self._members: list[np.ndarray] | None = None
+        self.opener = ContainedOpener(self.index.root)
 
     def __len__(self) -> int:
         return len(self.index)
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
+        opened = [self.open_sample(self.checked_index(idx))]
+        try:
+            return AssembledSamples(collate_samples(opened), [sample for sample, _ in opened])[0]
+        finally:
+            close_all(opened)
+
+    def __getitems__(self, indices: list[int]) -> AssembledSamples:
+        """Load one batch, read straight into the batch's memory; `collate_image_edit` returns it as is.
+
+        Under the "skip" policy broken samples are dropped (see `corrupt.py`). The batch metadata
+        reports what was dropped and, for batches from our sampler, `position` (epoch and step in
+        the epoch plan).
+        """
+        opened = self.open_batch([self.checked_index(i) for i in indices])
+        try:
+            if hasattr(indices, "step"):
+                opened[0][0]["position"] = [indices.epoch, indices.step]  # type: ignore[attr-defined]
+            return AssembledSamples(collate_samples(opened), [sample for sample, _ in opened])
+        finally:
+            close_all(opened)
+
+    def checked_index(self, idx: int) -> int:
+        """`idx` as a non-negative index, or an IndexError."""
         if not -len(self) <= idx < len(self):
             raise IndexError(f"sample index {idx} is out of range for a cache of {len(self)} samples")
-        idx = int(idx) % len(self)
+        return int(idx) % len(self)
+
+    def open_sample(self, idx: int) -> tuple[dict[str, Any], OpenPayload]:
+        """Open payload `idx` and check it against the contract and its index record (no tensor bytes read yet)."""
         relative = self.index.relative_path(idx)
-        raw = load_payload(self.index.payload_path(idx), relative)
-        sample = validate.payload(raw, self.index.signature(idx), relative, self.index.source_revision)
+        try:
+            path, descriptor, info = self.opener.open(relative, relative)
+        except OSError as error:
+            validate.fail(relative, "file", f"cannot be read: {error.strerror or error}")
+        payload = open_payload(path, relative, (descriptor, info))
+        try:
+            sample = validate.payload(payload.fields, self.index.signature(idx), relative, self.index.source_revision)
+        except BaseException:
+            payload.close()
+            raise
         sample["sample_index"] = idx
-        return sample
+        return sample, payload
 
-    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
-        """Load one batch; under the "skip" policy broken samples are dropped (see `corrupt.py`).
+    def open_batch(self, indices: list[int]) -> list[tuple[dict[str, Any], OpenPayload]]:
+        """Open a batch's samples under the corrupt-sample policy."""
+        opened: list[tuple[dict[str, Any], OpenPayload]] = []
+        try:
+            if self.skips.policy == "raise":
+                for index in indices:
+                    opened.append(self.open_sample(index))
+                return opened
+            skipped = []
+            for index in indices:
+                try:
+                    opened.append(self.open_sample(index))
+                except validate.CacheFormatError as error:
+                    skipped.append(self.skips.record(index, error))
+            if not opened:
+                opened.append(self.replacement_for(indices[0], skipped))
+            opened[0][0]["skipped"] = skipped
+            return opened
+        except BaseException:
+            close_all(opened)
+            raise
 
-        The first sample of the batch carries `skipped` (what was dropped) and, for batches from our
-        sampler, `position` (epoch and step in the epoch plan), for collate to report.
-        """
-        samples = self.load_batch(indices)
-        if hasattr(indices, "step"):
-            samples[0]["position"] = [indices.epoch, indices.step]  # type: ignore[attr-defined]
-        return samples
-
-    def load_batch(self, indices: list[int]) -> list[dict[str, Any]]:
-        """Load a batch's samples under the corrupt-sample policy."""
-        if self.skips.policy == "raise":
-            return [self[i] for i in indices]
-        samples, skipped = [], []
-        for index in indices:
-            try:
-                samples.append(self[index])
-            except validate.CacheFormatError as error:
-                skipped.append(self.skips.record(index, error))
-        if not samples:
-            samples.append(self.replacement_for(indices[0], skipped))
-        samples[0]["skipped"] = skipped
-        return samples
-
-    def replacement_for(self, index: int, skipped: list[dict[str, Any]]) -> dict[str, Any]:
+    def replacement_for(self, index: int, skipped: list[dict[str, Any]]) -> tuple[dict[str, Any], OpenPayload]:
         """The next loadable sample after `index` in its bucket, so a batch of bad samples still yields one."""
         if self._members is None:
             self._members = self.index.bucket_members()
@@ -92,7 +125,7 @@ class ImageEditDataset(Dataset):
         for offset in range(1, len(members)):
             candidate = int(members[(start + offset) % len(members)])
             try:
-                return self[candidate]
+                return self.open_sample(candidate)
             except validate.CacheFormatError as error:
                 skipped.append(self.skips.record(candidate, error))
         raise validate.CacheFormatError(
@@ -130,3 +163,14 @@ class ImageEditDatasetConfig:
     def build(self) -> ImageEditDataset:
         """Open the configured cache."""
         return ImageEditDataset(cache_dir=self.cache_dir, quantization=self.quantization)
+
+
+def collate_samples(opened: list[tuple[dict[str, Any], OpenPayload]]) -> dict[str, Any]:
+    """The batch of the opened samples, their tensors read into it."""
+    return collate_image_edit([sample for sample, _ in opened])
+
+
+def close_all(opened: list[tuple[dict[str, Any], OpenPayload]]) -> None:
+    """Close every opened payload file."""
+    for _, payload in opened:
+        payload.close()

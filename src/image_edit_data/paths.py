@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -46,13 +47,15 @@ def resolve_inside(root: Path, relative: str, file: str, field: str) -> Path:
     return resolved
 
 
-def open_regular(path: Path, display: str) -> tuple[int, os.stat_result]:
+def open_regular(path: Path | str, display: str, follow: bool = True) -> tuple[int, os.stat_result]:
     """An open descriptor of `path` and its stat, refusing anything but a regular file.
 
     Opening without blocking and checking the open descriptor means a FIFO cannot hang the reader
-    and a device cannot feed it forever. OS errors propagate for the caller to word.
+    and a device cannot feed it forever. OS errors propagate for the caller to word (ELOOP when
+    `follow` is false and `path` is a symlink).
     """
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    descriptor = os.open(path, flags)
     try:
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode):
@@ -62,6 +65,38 @@ def open_regular(path: Path, display: str) -> tuple[int, os.stat_result]:
         os.close(descriptor)
         raise
     return descriptor, info
+
+
+class ContainedOpener:
+    """Open files named relative to `root` without leaving it, resolving each directory only once.
+
+    A file is opened as (resolved directory)/(name) without following a symlink in the last step;
+    only a file that is itself a symlink pays for resolving its whole path (`resolve_inside`).
+    """
+
+    MAX_DIRECTORIES = 4096  # bounds the memory of a cache that gives every payload its own directory
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.directories: dict[str, str] = {}
+
+    def open(self, relative: str, display: str) -> tuple[str, int, os.stat_result]:
+        """The path opened, its descriptor and its stat (see `open_regular`)."""
+        head, _, name = relative.rpartition("/")
+        directory = self.directories.get(head)
+        if directory is None:
+            if len(self.directories) >= self.MAX_DIRECTORIES:
+                self.directories.clear()
+            resolved = resolve_inside(self.root, head, display, "cache_file") if head else self.root
+            directory = self.directories[head] = str(resolved)
+        path = os.path.join(directory, name)
+        try:
+            return (path, *open_regular(path, display, follow=False))
+        except OSError as error:
+            if error.errno != errno.ELOOP:
+                raise
+        path = str(resolve_inside(self.root, relative, display, "cache_file"))
+        return (path, *open_regular(path, display))
 
 
 def read_regular_file(path: Path, display: str, max_bytes: int | None = None) -> bytes:

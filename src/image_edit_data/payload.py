@@ -22,9 +22,10 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 
 from .atomic import write_bytes_atomic
-from .paths import open_regular, read_regular_file
-from .safetensors_view import read_views
-from .validate import fail, show
+from .errors import fail, show
+from .file_tensor import FileTensor
+from .paths import open_regular
+from .safetensors_header import read_header
 
 PayloadFormat = Literal["pt", "safetensors"]
 FORMAT_KEY = "image_edit_data.format"
@@ -39,33 +40,76 @@ def format_of(path: str | Path) -> PayloadFormat:
     return "safetensors" if str(path).endswith(".safetensors") else "pt"
 
 
-def load_payload(path: Path, display: str) -> dict[str, Any]:
-    """Load one payload into the contract's dict form without running any code from the file.
+class OpenPayload:
+    """One payload's fields, ready to be checked and read into a batch; close it when the batch is built.
 
-    Tensors are views of the memory-mapped file where the format allows (safetensors, zip-format
-    `.pt`), so the only copy of their bytes is the one into the batch.
+    safetensors fields are `FileTensor`s of the still-open file (nothing read yet but the header);
+    `.pt` fields are tensors mapped from the file by torch's weights-only loader.
+    """
+
+    def __init__(self, fields: dict[str, Any], descriptor: int | None = None) -> None:
+        self.fields = fields
+        self.descriptor = descriptor
+
+    def close(self) -> None:
+        """Close the payload file (a no-op for `.pt`, whose mapping lives as long as its tensors)."""
+        if self.descriptor is not None:
+            os.close(self.descriptor)
+            self.descriptor = None
+
+    def __enter__(self) -> OpenPayload:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_result] | None = None) -> OpenPayload:
+    """Open one payload without running any code from the file; its tensors are read later, once.
+
+    `opened` is the descriptor and stat of `path` when the caller has opened it already (this
+    function then owns the descriptor).
     """
     try:
-        descriptor, info = open_regular(path, display)
-        try:
-            size = info.st_size
-            magic = os.pread(descriptor, 4, 0)  # one open serves the type check and the format sniff
-        finally:
-            os.close(descriptor)
-        if size == 0:
-            fail(display, "file", "is empty (0 bytes)")
-        if format_of(path) == "safetensors":
-            return from_safetensors(path, display)
-        is_zip = magic == b"PK\x03\x04"
-        if is_zip:
-            check_zip_expansion(path, size, display)
-            source: Path | io.BytesIO = path
-        else:
-            source = io.BytesIO(read_regular_file(path, display))  # torch's legacy format cannot be mapped
+        descriptor, info = opened or open_regular(path, display)
     except OSError as error:
         fail(display, "file", f"cannot be read: {error.strerror or error}")
+    if format_of(path) == "safetensors":
+        try:
+            if info.st_size == 0:
+                fail(display, "file", "is empty (0 bytes)")
+            return OpenPayload(from_safetensors(descriptor, info.st_size, display), descriptor)
+        except OSError as error:
+            os.close(descriptor)
+            fail(display, "file", f"cannot be read: {error.strerror or error}")
+        except BaseException:
+            os.close(descriptor)
+            raise
     try:
-        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=is_zip)
+        if info.st_size == 0:
+            fail(display, "file", "is empty (0 bytes)")
+        is_zip = os.pread(descriptor, 4, 0) == b"PK\x03\x04"
+        legacy = None if is_zip else read_all(descriptor)  # torch's legacy format cannot be mapped
+    except OSError as error:
+        fail(display, "file", f"cannot be read: {error.strerror or error}")
+    finally:
+        os.close(descriptor)
+    if legacy is None:
+        check_zip_expansion(path, info.st_size, display)
+        return OpenPayload(from_torch_save(path, display, mapped=True))
+    return OpenPayload(from_torch_save(io.BytesIO(legacy), display, mapped=False))
+
+
+def read_all(descriptor: int) -> bytes:
+    """The whole file behind `descriptor`."""
+    with os.fdopen(os.dup(descriptor), "rb") as handle:
+        return handle.read()
+
+
+def from_torch_save(source: Path | str | io.BytesIO, display: str, mapped: bool) -> dict[str, Any]:
+    """A `torch.save` payload through the weights-only unpickler, as a dict of fields."""
+    try:
+        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as error:
         fail(display, "payload", f"refused by the weights-only loader ({unpickler_reason(error)})")
     except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...
@@ -73,6 +117,23 @@ def load_payload(path: Path, display: str) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         fail(display, "payload", f"expected a dict of cache fields, got {type(loaded).__name__}")
     return loaded
+
+
+def load_payload(path: Path, display: str) -> dict[str, Any]:
+    """One payload's fields with every tensor in memory (for tools; the loader reads via `open_payload`)."""
+    with open_payload(path, display) as payload:
+        return {name: materialized(value) for name, value in payload.fields.items()}
+
+
+def materialized(value: Any) -> Any:
+    """`value` with each `FileTensor` in it (also inside lists and dicts) read into a tensor."""
+    if isinstance(value, FileTensor):
+        return value.materialize()
+    if isinstance(value, list):
+        return [materialized(v) for v in value]
+    if isinstance(value, dict):
+        return {k: materialized(v) for k, v in value.items()}
+    return value
 
 
 def first_sentence(error: BaseException) -> str:
@@ -95,7 +156,7 @@ def unpickler_reason(error: pickle.UnpicklingError) -> str:
     return " ".join(text.split()) or "no reason given"
 
 
-def check_zip_expansion(path: Path, size: int, display: str) -> None:
+def check_zip_expansion(path: Path | str, size: int, display: str) -> None:
     """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
 
     torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
@@ -111,9 +172,9 @@ def check_zip_expansion(path: Path, size: int, display: str) -> None:
         fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {size}-byte file")
 
 
-def from_safetensors(path: Path, display: str) -> dict[str, Any]:
-    """Rebuild the payload dict from our safetensors form, as views of the mapped file."""
-    tensors, extra = read_views(path, display)
+def from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]:
+    """Rebuild the payload dict from our safetensors form, its tensors as `FileTensor`s of `descriptor`."""
+    tensors, extra = read_header(descriptor, size, display)
     if extra.get(FORMAT_KEY) != FORMAT_VERSION:
         fail(
             display,
@@ -141,9 +202,9 @@ def from_safetensors(path: Path, display: str) -> dict[str, Any]:
     return payload
 
 
-def context_list(tensors: Mapping[str, torch.Tensor], display: str) -> list[torch.Tensor]:
+def context_list(tensors: Mapping[str, FileTensor], display: str) -> list[FileTensor]:
     """The `context_latents.<i>` tensors in order; the indices must be exactly 0, 1, ..., n-1."""
-    by_index: dict[str, torch.Tensor] = {
+    by_index: dict[str, FileTensor] = {
         k[len(CONTEXT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONTEXT_PREFIX)
     }
     expected = [str(i) for i in range(len(by_index))]

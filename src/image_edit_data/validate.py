@@ -8,46 +8,21 @@ record. Every violation is a `CacheFormatError` (a `ValueError`) whose message r
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from .buckets import Signature
+from .errors import CacheFormatError as CacheFormatError  # re-exported: the contract's error
+from .errors import fail, show
+from .file_tensor import FileTensor
 
 MAX_COUNT = 2**31 - 1  # token counts are stored as int32 in the index
 MAX_DIM = 2**63 - 1  # torch sizes are int64; a larger dimension can never match a tensor
-MAX_PROBLEM_CHARS = 1000  # a hostile value must not turn an error message into megabytes
-MAX_SHOWN_CHARS = 200
 # Pickle can nest without limit, and a batch's metadata is later pickled to the main process,
 # copied and logged; these bounds are far beyond any real payload's metadata.
 MAX_METADATA_DEPTH = 32
 MAX_METADATA_VALUES = 100_000
-
-
-class CacheFormatError(ValueError):
-    """A cache file breaks the contract; names the file and the field."""
-
-    def __init__(self, file: str, field: str, problem: str) -> None:
-        super().__init__(f"{file}: {field}: {problem}")
-        self.file = file
-        self.field = field
-        self.problem = problem
-
-
-def fail(file: str, field: str, problem: str) -> NoReturn:
-    """Raise the one error type every contract rule uses."""
-    if len(problem) > MAX_PROBLEM_CHARS:
-        problem = f"{problem[:MAX_PROBLEM_CHARS]}... ({len(problem)} characters)"
-    raise CacheFormatError(file, field, problem)
-
-
-def show(value: object) -> str:
-    """`repr(value)` for an error message: bounded in length, and safe on absurdly nested values."""
-    try:
-        text = repr(value)
-    except RecursionError:
-        return f"<{type(value).__name__} nested too deeply to show>"
-    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}..."
 
 
 def is_int(value: object) -> bool:
@@ -86,8 +61,13 @@ def signature(value: object, file: str, field: str) -> Signature:
     return Signature(target=target, contexts=parsed)  # type: ignore[arg-type]
 
 
-def plain_tensor(value: object, file: str, field: str) -> torch.Tensor:
-    """Check for a dense CPU tensor backed by its own data (so it costs no more memory than its file)."""
+def plain_tensor(value: object, file: str, field: str) -> torch.Tensor | FileTensor:
+    """Check for a dense CPU tensor backed by its own data (so it costs no more memory than its file).
+
+    A `FileTensor` passes as it is: its header entry was checked to hold exactly its bytes.
+    """
+    if type(value) is FileTensor:
+        return value
     if not isinstance(value, torch.Tensor):
         fail(file, field, f"expected a tensor, got {type(value).__name__}")
     if value.device.type != "cpu" or value.layout != torch.strided:
@@ -114,7 +94,7 @@ def latent(value: object, file: str, field: str) -> tuple[int, int, int]:
     return tuple(value.shape)  # type: ignore[return-value]
 
 
-def tensor_field(payload: Mapping[str, Any], name: str, file: str) -> torch.Tensor:
+def tensor_field(payload: Mapping[str, Any], name: str, file: str) -> torch.Tensor | FileTensor:
     """Fetch a required tensor entry of a payload."""
     return plain_tensor(payload.get(name), file, name)
 
@@ -171,24 +151,32 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
     }
 
 
+SCALARS = (str, int, float, bool, type(None))
+
+
 def bounded(value: object, file: str, field: str) -> None:
-    """Refuse a nested value deeper than MAX_METADATA_DEPTH or holding more than MAX_METADATA_VALUES values."""
+    """Refuse a nested value deeper than MAX_METADATA_DEPTH or holding more than MAX_METADATA_VALUES values.
+
+    Only containers are walked; scalars are counted where they sit (this runs for every sample).
+    """
     stack: list[tuple[object, int]] = [(value, 1)]
     count = 1
     while stack:
         item, depth = stack.pop()
-        if depth > MAX_METADATA_DEPTH:
-            fail(file, field, f"nests deeper than {MAX_METADATA_DEPTH} levels")
         if isinstance(item, Mapping):
             children: list[object] = [*item.keys(), *item.values()]
         elif isinstance(item, (list, tuple, set, frozenset)):
             children = list(item)
         else:
             continue
+        if not children:
+            continue
+        if depth + 1 > MAX_METADATA_DEPTH:
+            fail(file, field, f"nests deeper than {MAX_METADATA_DEPTH} levels")
         count += len(children)
         if count > MAX_METADATA_VALUES:
             fail(file, field, f"holds more than {MAX_METADATA_VALUES} values")
-        stack.extend((child, depth + 1) for child in children)
+        stack.extend((child, depth + 1) for child in children if type(child) not in SCALARS)
 
 
 def sample_metadata(

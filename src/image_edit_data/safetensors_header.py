@@ -1,6 +1,6 @@
-"""Read a safetensors file as tensor *views* of a memory map: no copy until the batch is stacked.
+"""Read a safetensors header into `FileTensor`s: tensor bytes stay in the file until the batch reads them.
 
-The header is checked before any view exists: known dtypes only, every tensor's byte range inside
+The header is checked before anything is read: known dtypes only, every tensor's byte range inside
 the data section and exactly `prod(shape) * itemsize` long. A header that declares a gigantic
 shape therefore fails on arithmetic, never on an allocation.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
-from pathlib import Path
+import os
 from typing import NoReturn
 
 import torch
 
-from .validate import fail
+from .errors import fail
+from .file_tensor import FileTensor
 
 DTYPES = {
     "F64": torch.float64,
@@ -29,7 +29,9 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+ITEM_SIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the format's own limit
+FIRST_READ = 16 * 1024  # one read holds the length and the whole header of a typical payload
 
 
 def unreadable(display: str, reason: str) -> NoReturn:
@@ -37,19 +39,20 @@ def unreadable(display: str, reason: str) -> NoReturn:
     fail(display, "payload", f"not a readable safetensors file ({reason})")
 
 
-def read_views(path: Path, display: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors (copy-on-write views of the file's pages) and the string metadata of a safetensors file."""
-    with path.open("rb") as handle:
-        size = handle.seek(0, 2)
-        if size < 8:
-            unreadable(display, f"{size} bytes, shorter than the 8-byte header length")
-        # Copy-on-write: writable views without a warning, pages shared with the page cache until written.
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-    header_length = int.from_bytes(mapped[:8], "little")
+def read_header(descriptor: int, size: int, display: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
+    """The tensors (as checked `FileTensor`s of `descriptor`) and the string metadata of a safetensors file."""
+    if size < 8:
+        unreadable(display, f"{size} bytes, shorter than the 8-byte header length")
+    head = os.pread(descriptor, FIRST_READ, 0)
+    header_length = int.from_bytes(head[:8], "little")
     if header_length > min(MAX_HEADER, size - 8):
         unreadable(display, f"header length {header_length} exceeds the {size}-byte file")
+    if 8 + header_length > len(head):
+        head = os.pread(descriptor, 8 + header_length, 0)
+        if len(head) < 8 + header_length:
+            unreadable(display, "the file ended inside the header")
     try:
-        header = json.loads(mapped[8 : 8 + header_length])
+        header = json.loads(head[8 : 8 + header_length])
     except (UnicodeDecodeError, RecursionError, ValueError) as error:
         unreadable(display, f"header is not JSON: {str(error)[:200]}")
     if not isinstance(header, dict):
@@ -59,15 +62,18 @@ def read_views(path: Path, display: str) -> tuple[dict[str, torch.Tensor], dict[
         unreadable(display, "__metadata__ must map names to strings")
     data_start = 8 + header_length
     data_size = size - data_start
-    tensors = {name: view(mapped, data_start, data_size, name, entry, display) for name, entry in header.items()}
+    tensors = {
+        name: entry_tensor(descriptor, data_start, data_size, name, entry, display) for name, entry in header.items()
+    }
     return tensors, metadata
 
 
-def view(mapped: mmap.mmap, start: int, data_size: int, name: str, entry: object, display: str) -> torch.Tensor:
-    """One checked tensor view into the mapped data section."""
+def entry_tensor(descriptor: int, start: int, data_size: int, name: str, entry: object, display: str) -> FileTensor:
+    """One checked header entry as a `FileTensor` of the open file."""
     if not isinstance(entry, dict):
         unreadable(display, f"entry {name!r} is not an object")
-    dtype = DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+    dtype_name = entry.get("dtype")
+    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         unreadable(display, f"tensor {name!r} has unsupported dtype {str(entry.get('dtype'))[:20]!r}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
@@ -76,12 +82,8 @@ def view(mapped: mmap.mmap, start: int, data_size: int, name: str, entry: object
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
         unreadable(display, f"tensor {name!r} data_offsets must be two integers")
     begin, end = offsets
-    numel = math.prod(shape)
-    expected = numel * torch.empty((), dtype=dtype).element_size()
     if not 0 <= begin <= end <= data_size:
         unreadable(display, f"tensor {name!r} byte range {offsets} lies outside the {data_size}-byte data section")
-    if end - begin != expected:
+    if end - begin != math.prod(shape) * ITEM_SIZES[dtype_name]:  # type: ignore[index]
         unreadable(display, f"tensor {name!r} byte range {offsets} does not hold shape {shape}")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(mapped, dtype=dtype, count=numel, offset=start + begin).view(shape)
+    return FileTensor(tuple(shape), dtype, descriptor, start + begin, end - begin, display)
