@@ -1,0 +1,131 @@
+"""Batches are read straight from the payload files into one buffer, and cross from workers as that buffer."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing
+from cachefactory import make_payload, write_cache
+from torch.utils.data import DataLoader
+
+import image_edit_data.collate as collate_module
+from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
+from image_edit_data.shared_batch import SharedBatch
+
+CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
+
+
+def payloads(count: int = 6) -> list[dict]:
+    items = [make_payload(i, sequence=2 + i % 4, conditioning=CONDITIONING) for i in range(count)]
+    for i, payload in enumerate(items):
+        payload["prompt_embeddings"] = payload["prompt_embeddings"].to(torch.bfloat16)
+        payload["prompt_attention_mask"] = torch.arange(len(payload["prompt_attention_mask"])) % 2 == i % 2
+    return items
+
+
+def batches(root: Path, num_workers: int) -> list[dict]:
+    build = ImageEditDataloaderConfig(cache_dir=str(root), num_workers=num_workers, shuffle=False).build(
+        dp_rank=0, dp_world_size=1, batch_size=3
+    )
+    return list(build.dataloader)
+
+
+def assert_same_batch(a: dict, b: dict) -> None:
+    for key in ("image_latents", "text_embeddings", "text_attention_mask"):
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    assert all(torch.equal(x, y) for x, y in zip(a["context_latents"], b["context_latents"], strict=True))
+    assert torch.equal(a["conditioning_tensors"]["image_grid_thw"], b["conditioning_tensors"]["image_grid_thw"])
+    assert a["metadata"] == b["metadata"]
+
+
+def test_safetensors_and_pt_caches_give_the_same_batches_with_padding_zeroed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    items = payloads()
+    pt = write_cache(tmp_path / "pt", items)
+    st = write_cache(tmp_path / "st", items, suffix=".safetensors")
+    dirty = lambda nbytes: torch.full((nbytes,), 0xFF, dtype=torch.uint8)  # noqa: E731 - garbage where nothing is written
+    monkeypatch.setattr(collate_module, "allocate", dirty)
+    from_pt, from_st = batches(pt, 0), batches(st, 0)
+    assert len(from_pt) == len(from_st) == 2
+    for a, b in zip(from_pt, from_st):
+        assert_same_batch(a, b)
+        for row, index in enumerate(a["metadata"]["sample_indices"]):
+            length = items[index]["prompt_embeddings"].shape[0]
+            assert torch.equal(a["text_embeddings"][row, :length], items[index]["prompt_embeddings"])
+            assert not a["text_embeddings"][row, length:].any()
+            assert not a["text_attention_mask"][row, length:].any()
+            assert torch.equal(a["image_latents"][row], items[index]["target_latent"])
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_worker_batches_arrive_as_plain_dicts_over_one_shared_buffer(tmp_path: Path, suffix: str) -> None:
+    root = write_cache(tmp_path, payloads(), suffix=suffix)
+    in_process, from_workers = batches(root, 0), batches(root, 2)
+    assert len(in_process) == len(from_workers) == 2
+    for a, b in zip(in_process, from_workers):
+        assert type(b) is dict
+        assert_same_batch(a, b)
+        tensors = [b["image_latents"], *b["context_latents"], b["text_embeddings"], b["text_attention_mask"]]
+        tensors.append(b["conditioning_tensors"]["image_grid_thw"])
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+        assert tensors[0].untyped_storage().is_shared()
+
+
+def test_shared_batch_pickles_tensors_added_by_other_code_as_usual() -> None:
+    buffer = torch.arange(64, dtype=torch.uint8)
+    inside = buffer[16:32].view(torch.float32).view(2, 2)
+    outside = torch.tensor([7.0, 8.0])
+    batch = SharedBatch({"a": inside, "b": [inside[1], outside], "c": {"d": outside}, "e": "text"}, buffer)
+    received = pickle.loads(ForkingPickler.dumps(batch))
+    assert type(received) is dict
+    assert torch.equal(received["a"], inside) and torch.equal(received["b"][0], inside[1])
+    assert torch.equal(received["b"][1], outside) and torch.equal(received["c"]["d"], outside)
+    assert received["e"] == "text"
+    assert received["a"].untyped_storage().data_ptr() == received["b"][0].untyped_storage().data_ptr()
+
+
+def test_other_collate_functions_see_sample_dicts_that_view_the_batch(tmp_path: Path) -> None:
+    items = payloads()
+    dataset = ImageEditDataset(write_cache(tmp_path, items, suffix=".safetensors"))
+    loader = DataLoader(dataset, batch_sampler=[[4, 1, 5]], collate_fn=list)
+    (samples,) = list(loader)
+    assert [s["sample_index"] for s in samples] == [4, 1, 5]
+    for sample in samples:
+        expected = items[sample["sample_index"]]
+        assert torch.equal(sample["target_latent"], expected["target_latent"])
+        assert torch.equal(sample["prompt_embeddings"], expected["prompt_embeddings"])
+        assert torch.equal(sample["prompt_attention_mask"], expected["prompt_attention_mask"])
+        assert torch.equal(sample["conditioning_tensors"]["image_grid_thw"], CONDITIONING["image_grid_thw"])
+    assert_same_batch(collate_image_edit(samples), collate_image_edit(dataset.__getitems__([4, 1, 5])))
+
+
+def test_a_payload_that_shrinks_after_its_header_was_checked_is_a_clear_error(tmp_path: Path) -> None:
+    root = write_cache(tmp_path, payloads(2), suffix=".safetensors")
+    dataset = ImageEditDataset(root)
+    sample, payload = dataset.open_sample(0)
+    try:
+        path = root / "samples" / "sample_00000000.safetensors"
+        os.truncate(path, path.stat().st_size - 10)
+        with pytest.raises(CacheFormatError, match=r"^samples/sample_00000000.safetensors: payload: file ended"):
+            collate_image_edit([sample])
+    finally:
+        payload.close()
+
+
+def test_legacy_pt_payloads_are_read_too(tmp_path: Path) -> None:
+    items = payloads(3)
+    root = write_cache(tmp_path, items)
+    for i, payload in enumerate(items):
+        buffer = io.BytesIO()
+        torch.save(payload, buffer, _use_new_zipfile_serialization=False)
+        (root / "samples" / f"sample_{i:08d}.pt").write_bytes(buffer.getvalue())
+    dataset = ImageEditDataset(root)
+    assert torch.equal(dataset[2]["target_latent"], items[2]["target_latent"])
+    assert torch.equal(dataset[-1]["prompt_embeddings"], items[2]["prompt_embeddings"])
