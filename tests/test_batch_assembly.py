@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import zipfile
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader
 
 import image_edit_data.collate as collate_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
+from image_edit_data.payload import central_directory_total
 from image_edit_data.shared_batch import SharedBatch
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
@@ -129,3 +131,34 @@ def test_legacy_pt_payloads_are_read_too(tmp_path: Path) -> None:
     dataset = ImageEditDataset(root)
     assert torch.equal(dataset[2]["target_latent"], items[2]["target_latent"])
     assert torch.equal(dataset[-1]["prompt_embeddings"], items[2]["prompt_embeddings"])
+
+
+def zip_bytes(entries: dict[str, bytes], comment: bytes = b"", compression: int = zipfile.ZIP_STORED) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=compression) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+        archive.comment = comment
+    return out.getvalue()
+
+
+def central_total(data: bytes, tmp_path: Path) -> int | None:
+    path = tmp_path / "payload.zip"
+    path.write_bytes(data)
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        return central_directory_total(descriptor, len(data))
+    finally:
+        os.close(descriptor)
+
+
+def test_zip_sizes_read_from_the_central_directory_match_zipfile(tmp_path: Path) -> None:
+    saved = io.BytesIO()
+    torch.save(make_payload(3, sequence=40), saved)
+    deflated = zip_bytes({"a": bytes(10_000), "b/c": b"x" * 300}, compression=zipfile.ZIP_DEFLATED)
+    for data in (saved.getvalue(), deflated, zip_bytes({})):
+        expected = sum(entry.file_size for entry in zipfile.ZipFile(io.BytesIO(data)).infolist())
+        assert central_total(data, tmp_path) == expected
+    # Layouts torch.save does not write are left to zipfile.
+    assert central_total(zip_bytes({"a": b"1"}, comment=b"note"), tmp_path) is None
+    assert central_total(saved.getvalue()[:-5], tmp_path) is None

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import re
+import struct
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -89,13 +90,14 @@ def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_resu
         if info.st_size == 0:
             fail(display, "file", "is empty (0 bytes)")
         is_zip = os.pread(descriptor, 4, 0) == b"PK\x03\x04"
+        if is_zip:
+            check_zip_expansion(path, descriptor, info.st_size, display)
         legacy = None if is_zip else read_all(descriptor)  # torch's legacy format cannot be mapped
     except OSError as error:
         fail(display, "file", f"cannot be read: {error.strerror or error}")
     finally:
         os.close(descriptor)
     if legacy is None:
-        check_zip_expansion(path, info.st_size, display)
         return OpenPayload(from_torch_save(path, display, mapped=True))
     return OpenPayload(from_torch_save(io.BytesIO(legacy), display, mapped=False))
 
@@ -156,20 +158,54 @@ def unpickler_reason(error: pickle.UnpicklingError) -> str:
     return " ".join(text.split()) or "no reason given"
 
 
-def check_zip_expansion(path: Path | str, size: int, display: str) -> None:
+def check_zip_expansion(path: Path | str, descriptor: int, size: int, display: str) -> None:
     """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
 
     torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
     small file could otherwise expand into gigabytes (a compression bomb).
     """
-    try:
-        with zipfile.ZipFile(path) as archive:
-            entries = archive.infolist()
-    except Exception as error:  # zipfile raises many types on damaged archives
-        fail(display, "payload", f"not a readable torch.save file (damaged zip: {error})")
-    unpacked = sum(entry.file_size for entry in entries)
+    unpacked = central_directory_total(descriptor, size)
+    if unpacked is None:  # not the plain layout torch.save writes: let zipfile read (or refuse) it
+        try:
+            with zipfile.ZipFile(path) as archive:
+                entries = archive.infolist()
+        except Exception as error:  # zipfile raises many types on damaged archives
+            fail(display, "payload", f"not a readable torch.save file (damaged zip: {error})")
+        unpacked = sum(entry.file_size for entry in entries)
     if unpacked > size:
         fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {size}-byte file")
+
+
+END_RECORD = struct.Struct("<4s4H2LH")  # end of central directory: signature ... comment length
+CENTRAL_ENTRY = struct.Struct("<4s6H3L5H2L")  # central directory file header (46 bytes)
+ZIP64_MARK = 0xFFFFFFFF
+
+
+def central_directory_total(descriptor: int, size: int) -> int | None:
+    """Unpacked bytes of all entries, from the central directory of a zip as torch.save writes it.
+
+    Two reads and no objects per entry (zipfile costs as much as the rest of a payload's checks).
+    None for anything else (a comment, zip64 sizes, several disks, damage): zipfile then decides.
+    """
+    if size < END_RECORD.size:
+        return None
+    end = END_RECORD.unpack(os.pread(descriptor, END_RECORD.size, size - END_RECORD.size))
+    signature, disk, directory_disk, disk_entries, entries, directory_size, directory_offset, comment = end
+    if signature != b"PK\x05\x06" or disk or directory_disk or comment or disk_entries != entries:
+        return None
+    if ZIP64_MARK in (directory_size, directory_offset) or directory_offset + directory_size > size:
+        return None
+    directory = os.pread(descriptor, directory_size, directory_offset)
+    total = position = 0
+    for _ in range(entries):
+        if position + CENTRAL_ENTRY.size > len(directory):
+            return None
+        entry = CENTRAL_ENTRY.unpack_from(directory, position)
+        if entry[0] != b"PK\x01\x02" or ZIP64_MARK in (entry[8], entry[9]):
+            return None
+        total += entry[9]
+        position += CENTRAL_ENTRY.size + entry[10] + entry[11] + entry[12]
+    return total if position == len(directory) else None
 
 
 def from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]:
