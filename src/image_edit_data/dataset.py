@@ -16,7 +16,7 @@ from .corrupt import CorruptPolicy, SkipLog
 from .index import CacheIndex
 from .index_store import open_index
 from .paths import ContainedOpener
-from .payload import OpenPayload, open_payload
+from .payload import OpenPayload, materialized, open_payload
 
 
 class ImageEditDataset(Dataset):
@@ -51,11 +51,9 @@ class ImageEditDataset(Dataset):
         return len(self.index)
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
-        opened = [self.open_sample(self.checked_index(idx))]
-        try:
-            return AssembledSamples(collate_samples(opened), [sample for sample, _ in opened])[0]
-        finally:
-            close_all(opened)
+        sample, payload = self.open_sample(self.checked_index(idx))
+        with payload:  # each tensor in memory of its own, as torch.load would give it
+            return materialized(sample)  # type: ignore[no-any-return]
 
     def __getitems__(self, indices: list[int]) -> AssembledSamples:
         """Load one batch, read straight into the batch's memory; `collate_image_edit` returns it as is.
