@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 import image_edit_data.collate as collate_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
+from image_edit_data.batch_buffer import BatchBuffer
 from image_edit_data.payload import central_directory_total
 from image_edit_data.shared_batch import SharedBatch
 
@@ -46,15 +47,23 @@ def assert_same_batch(a: dict, b: dict) -> None:
     assert a["metadata"] == b["metadata"]
 
 
+class DirtyBuffer(BatchBuffer):
+    """A batch buffer holding garbage where nothing is written."""
+
+    def __init__(self, nbytes: int, shared: bool) -> None:
+        super().__init__(nbytes, shared)
+        self.tensor.fill_(0xFF)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])  # workers fill shared memory through its file
 def test_safetensors_and_pt_caches_give_the_same_batches_with_padding_zeroed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_workers: int
 ) -> None:
     items = payloads()
     pt = write_cache(tmp_path / "pt", items)
     st = write_cache(tmp_path / "st", items, suffix=".safetensors")
-    dirty = lambda nbytes: torch.full((nbytes,), 0xFF, dtype=torch.uint8)  # noqa: E731 - garbage where nothing is written
-    monkeypatch.setattr(collate_module, "allocate", dirty)
-    from_pt, from_st = batches(pt, 0), batches(st, 0)
+    monkeypatch.setattr(collate_module, "BatchBuffer", DirtyBuffer)
+    from_pt, from_st = batches(pt, num_workers), batches(st, num_workers)  # workers fork: the patch holds
     assert len(from_pt) == len(from_st) == 2
     for a, b in zip(from_pt, from_st):
         assert_same_batch(a, b)

@@ -1,23 +1,22 @@
 """Assemble one bucket's samples into a batch: every tensor copied once into one buffer, prompts zero-padded.
 
-A batch's tensors are views of one flat byte buffer. Sample tensors are either in memory (`.pt`,
-or samples built by hand) or `FileTensor`s still in their safetensors file, which are read by the
-kernel straight into their place in the buffer. In a loader worker the buffer is shared memory,
-and the batch crosses to the training process as that one buffer plus where each tensor lies in
-it (`SharedBatch`), instead of one shared-memory hand-off per tensor.
+A batch's tensors are views of one flat byte buffer (`BatchBuffer`). Sample tensors are either in
+memory (`.pt`, or samples built by hand) or `FileTensor`s still in their safetensors file, which
+the kernel copies straight into their place in the buffer. In a loader worker the buffer is shared
+memory, and the batch crosses to the training process as that one buffer plus where each tensor
+lies in it (`SharedBatch`), instead of one shared-memory hand-off per tensor.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from .file_tensor import FileTensor, read_into
+from .batch_buffer import BatchBuffer
+from .file_tensor import FileTensor
 from .shared_batch import SharedBatch
 
 ALIGNMENT = 64  # every batch tensor starts on a cache line, so typed views of the buffer are aligned
@@ -42,11 +41,11 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         raise ValueError("cannot collate an empty batch")
     fields = batch_fields(samples)
     offsets, nbytes = layout(fields)
-    buffer = allocate(nbytes)
-    tensors = [place(buffer, offset, field) for field, offset in zip(fields, offsets)]
+    buffer = BatchBuffer(nbytes, shared=get_worker_info() is not None)
+    tensors = [place(buffer.tensor, offset, field) for field, offset in zip(fields, offsets)]
     fill(buffer, offsets, fields)
     batch = batch_dict(samples, fields, tensors)
-    return SharedBatch(batch, buffer) if get_worker_info() is not None else batch
+    return SharedBatch(batch, buffer.tensor) if buffer.shared else batch
 
 
 def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
@@ -132,32 +131,18 @@ def field_bytes(field: Field) -> int:
     return numel * field.dtype.itemsize
 
 
-def allocate(nbytes: int) -> torch.Tensor:
-    """An uninitialised byte buffer for one batch; in a loader worker, directly in shared memory.
-
-    A worker hands its batch to the training process through shared memory. Allocating it there
-    up front means the payload bytes are copied once (file pages -> batch) instead of once more
-    when the batch is sent.
-    """
-    if get_worker_info() is None:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    storage = torch.UntypedStorage._new_shared(nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
-
-
 def place(buffer: torch.Tensor, offset: int, field: Field) -> torch.Tensor:
     """The typed batch tensor of `field`: a view of its bytes in `buffer`."""
     nbytes = field_bytes(field)
     return buffer[offset : offset + nbytes].view(field.dtype).view(field.shape)
 
 
-def fill(buffer: torch.Tensor, offsets: Sequence[int], fields: Sequence[Field]) -> None:
+def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[Field]) -> None:
     """Copy every sample's part of every field into the buffer, zero-padding short prompt rows.
 
     Parts still in a file are collected per file and read in file order, so the contiguous tensors
-    of one safetensors payload arrive with one `preadv` call.
+    of one safetensors payload arrive with one system call.
     """
-    target = buffer.numpy()
     reads: dict[int, list[tuple[int, int, FileTensor]]] = {}
     for field, offset in zip(fields, offsets):
         row_bytes = field_bytes(field) // max(1, field.shape[0])
@@ -165,48 +150,15 @@ def fill(buffer: torch.Tensor, offsets: Sequence[int], fields: Sequence[Field]) 
             start = offset + row * row_bytes
             count = source.nbytes if isinstance(source, FileTensor) else source.numel() * source.element_size()
             if count < row_bytes:
-                target[start + count : start + row_bytes] = 0
+                buffer.zero(start + count, start + row_bytes)
             if count == 0:
                 continue
             if isinstance(source, FileTensor):
                 reads.setdefault(source.descriptor, []).append((source.offset, start, source))
             else:
-                copy_tensor(target, start, count, source)
+                buffer.copy(start, source)
     for parts in reads.values():
-        read_parts(target, sorted(parts, key=lambda part: part[0]))
-
-
-def copy_tensor(target: np.ndarray, start: int, count: int, source: torch.Tensor) -> None:
-    """Copy an in-memory tensor's bytes to `target[start:]`: one memcpy, without torch's thread pool."""
-    if source.is_contiguous():
-        target[start : start + count] = source.reshape(-1).view(torch.uint8).numpy()
-    else:
-        destination = torch.from_numpy(target[start : start + count]).view(source.dtype).view(source.shape)
-        destination.copy_(source)
-
-
-def read_parts(target: np.ndarray, parts: Sequence[tuple[int, int, FileTensor]]) -> None:
-    """Read one file's tensors (sorted by file offset) into `target`, one `preadv` per contiguous run."""
-    view = memoryview(target)  # type: ignore[arg-type]  # numpy arrays are buffers
-    run: list[tuple[int, int, FileTensor]] = []
-    for part in parts:
-        if run and run[-1][0] + run[-1][2].nbytes != part[0]:
-            read_run(view, run)
-            run = []
-        run.append(part)
-    if run:
-        read_run(view, run)
-
-
-def read_run(view: memoryview, run: Sequence[tuple[int, int, FileTensor]]) -> None:
-    """Scatter one contiguous byte range of a file into the tensors' places in the buffer."""
-    first = run[0][2]
-    buffers = [view[start : start + tensor.nbytes] for _, start, tensor in run]
-    total = sum(tensor.nbytes for _, _, tensor in run)
-    if os.preadv(first.descriptor, buffers, first.offset) == total:
-        return
-    for _, start, tensor in run:  # a short read (signal, or the file changed): finish part by part
-        read_into(tensor.descriptor, tensor.offset, view[start : start + tensor.nbytes], tensor.display)
+        buffer.read(sorted(parts, key=lambda part: part[0]))
 
 
 def batch_dict(

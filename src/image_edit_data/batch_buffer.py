@@ -1,0 +1,100 @@
+"""`BatchBuffer`: the one block of memory a batch's tensors live in, and the copies into it.
+
+In the training process it is ordinary memory, filled with `preadv` (file pages -> buffer) and
+memcpy. In a loader worker it is a shared-memory file: the kernel copies file pages into it with
+`sendfile` and tensors with `pwrite`, so its pages are never first zeroed and then faulted in one
+by one, as writing through the mapping would make them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.multiprocessing
+
+from .errors import fail
+from .file_tensor import FileTensor, read_into
+
+Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
+
+
+class BatchBuffer:
+    """`nbytes` uninitialised bytes as a flat uint8 tensor; `shared` puts them in shared memory."""
+
+    def __init__(self, nbytes: int, shared: bool) -> None:
+        self.shared = shared
+        self.descriptor: int | None = None
+        if not shared:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            storage = torch.UntypedStorage._new_shared(nbytes)
+            self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+            if nbytes and torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
+                self.descriptor = storage._share_fd_cpu_()[0]  # the file behind the mapping, still ours
+        self.array = self.tensor.numpy()
+        self.view = memoryview(self.array)  # type: ignore[arg-type]  # numpy arrays are buffers
+
+    def zero(self, start: int, end: int) -> None:
+        """Zero `[start, end)` (the padding of a short prompt row)."""
+        self.array[start:end] = 0
+
+    def copy(self, start: int, source: torch.Tensor) -> None:
+        """Copy an in-memory tensor's bytes to `start`: one copy, without torch's thread pool."""
+        if not source.is_contiguous():
+            count = source.numel() * source.element_size()
+            self.tensor[start : start + count].view(source.dtype).view(source.shape).copy_(source)
+            return
+        data = memoryview(source.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        if self.descriptor is None:
+            self.view[start : start + len(data)] = data
+            return
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.descriptor, data[done:], start + done)
+
+    def read(self, parts: Sequence[Part]) -> None:
+        """Read one file's tensors (sorted by file offset) into their places."""
+        if self.descriptor is not None:
+            try:
+                for file_offset, start, tensor in parts:
+                    self.send(self.descriptor, file_offset, start, tensor)
+                return
+            except OSError as error:
+                if error.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                # A file system that cannot splice its pages: read through the mapping instead.
+        run: list[Part] = []
+        for part in parts:
+            if run and run[-1][0] + run[-1][2].nbytes != part[0]:
+                self.read_run(run)
+                run = []
+            run.append(part)
+        if run:
+            self.read_run(run)
+
+    def read_run(self, run: Sequence[Part]) -> None:
+        """Scatter one contiguous byte range of a file into the tensors' places: one `preadv`."""
+        first = run[0][2]
+        buffers = [self.view[start : start + tensor.nbytes] for _, start, tensor in run]
+        if os.preadv(first.descriptor, buffers, first.offset) == sum(len(b) for b in buffers):
+            return
+        for _, start, tensor in run:  # a short read (signal, or the file changed): finish part by part
+            read_into(tensor.descriptor, tensor.offset, self.view[start : start + tensor.nbytes], tensor.display)
+
+    @staticmethod
+    def send(descriptor: int, file_offset: int, start: int, tensor: FileTensor) -> None:
+        """Copy one tensor from its file into the shared-memory file `descriptor` at `start`, inside the kernel."""
+        os.lseek(descriptor, start, os.SEEK_SET)
+        done = 0
+        while done < tensor.nbytes:
+            count = os.sendfile(descriptor, tensor.descriptor, file_offset + done, tensor.nbytes - done)
+            if count == 0:
+                fail(
+                    tensor.display,
+                    "payload",
+                    f"file ended {tensor.nbytes - done} bytes early (it changed while being read)",
+                )
+            done += count
