@@ -163,20 +163,29 @@ def bounded(value: object, file: str, field: str) -> None:
     count = 1
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, Mapping):
-            children: list[object] = [*item.keys(), *item.values()]
+        kind = type(item)
+        if kind is dict:  # JSON and most pickled metadata: string keys, checked without abc
+            children: list[object] = list(item.values())  # type: ignore[attr-defined]
+            children += [key for key in item if type(key) is not str]  # type: ignore[attr-defined]
+            size = 2 * len(item)  # type: ignore[arg-type]
+        elif kind is list:
+            children, size = item, len(item)  # type: ignore[assignment,arg-type]
+        elif isinstance(item, Mapping):
+            children = [*item.keys(), *item.values()]
+            size = len(children)
         elif isinstance(item, (list, tuple, set, frozenset)):
             children = list(item)
+            size = len(children)
         else:
             continue
-        if not children:
+        if not size:
             continue
         if depth + 1 > MAX_METADATA_DEPTH:
             fail(file, field, f"nests deeper than {MAX_METADATA_DEPTH} levels")
-        count += len(children)
+        count += size
         if count > MAX_METADATA_VALUES:
             fail(file, field, f"holds more than {MAX_METADATA_VALUES} values")
-        stack.extend((child, depth + 1) for child in children if type(child) not in SCALARS)
+        stack.extend([(child, depth + 1) for child in children if type(child) not in SCALARS])
 
 
 def sample_metadata(
