@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
+import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.multiprocessing
 
@@ -21,6 +24,42 @@ from .file_tensor import FileTensor, read_into
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
 
 
+class BufferPool:
+    """The training process's batch memory, reused once no tensor of an earlier batch holds it.
+
+    Fresh memory for every batch costs a page fault and a zeroed page per 4 KiB, which takes longer
+    than copying the batch into it. A pooled block is lent to torch through `torch.frombuffer`,
+    which keeps a reference to the numpy array for as long as any tensor uses it; the array's
+    reference count therefore says when the block is free again. A batch kept by the caller is
+    never overwritten: its block just stays lent.
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self.capacity = capacity
+        self.blocks: list[np.ndarray] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor of `nbytes` uninitialised bytes."""
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        with self.lock:
+            free = [i for i in range(len(self.blocks)) if sys.getrefcount(self.blocks[i]) <= 2]  # list + argument
+            fitting = [i for i in free if nbytes <= self.blocks[i].nbytes <= 2 * nbytes]
+            if fitting:
+                block = self.blocks[min(fitting, key=lambda i: self.blocks[i].nbytes)]
+            else:
+                block = np.empty(nbytes, dtype=np.uint8)
+                if len(self.blocks) < self.capacity:
+                    self.blocks.append(block)
+                elif free:  # replace the smallest free block: batch sizes have moved on
+                    self.blocks[min(free, key=lambda i: self.blocks[i].nbytes)] = block
+            return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
+
+
+POOL = BufferPool()
+
+
 class BatchBuffer:
     """`nbytes` uninitialised bytes as a flat uint8 tensor; `shared` puts them in shared memory."""
 
@@ -28,7 +67,7 @@ class BatchBuffer:
         self.shared = shared
         self.descriptor: int | None = None
         if not shared:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+            self.tensor = POOL.take(nbytes)
         else:
             storage = torch.UntypedStorage._new_shared(nbytes)
             self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
