@@ -20,6 +20,7 @@ from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEd
 from image_edit_data.batch_buffer import BatchBuffer
 from image_edit_data.payload import central_directory_total
 from image_edit_data.shared_batch import SharedBatch
+from image_edit_data.shared_ring import CAPACITY, RECEIVED
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
 
@@ -86,7 +87,26 @@ def test_worker_batches_arrive_as_plain_dicts_over_one_shared_buffer(tmp_path: P
         tensors = [b["image_latents"], *b["context_latents"], b["text_embeddings"], b["text_attention_mask"]]
         tensors.append(b["conditioning_tensors"]["image_grid_thw"])
         assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
-        assert tensors[0].untyped_storage().is_shared()
+
+
+def test_worker_blocks_are_reused_once_freed_and_batches_still_held_are_never_overwritten(tmp_path: Path) -> None:
+    items = [make_payload(i, sequence=3) for i in range(40)]
+    root = write_cache(tmp_path, items, suffix=".safetensors")
+    build = ImageEditDataloaderConfig(cache_dir=str(root), num_workers=1, shuffle=False).build(
+        dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    held = list(build.dataloader)  # more batches than a worker's ring has blocks, all kept
+    assert len(held) == 20 > CAPACITY
+    for batch in held:
+        for row, index in enumerate(batch["metadata"]["sample_indices"]):
+            assert torch.equal(batch["image_latents"][row], items[index]["target_latent"])
+            assert torch.equal(batch["text_embeddings"][row], items[index]["prompt_embeddings"])
+    del held, batch
+    rings_before = set(RECEIVED)
+    for batch in build.dataloader:  # each batch freed before the next: the worker's blocks come back
+        assert torch.equal(batch["image_latents"][0], items[batch["metadata"]["sample_indices"][0]]["target_latent"])
+    (ring,) = [RECEIVED[token] for token in set(RECEIVED) - rings_before]  # this epoch's worker
+    assert 1 <= len(ring.blocks) <= 4  # prefetched batches plus the one in hand, not one block per batch
 
 
 def test_shared_batch_pickles_tensors_added_by_other_code_as_usual() -> None:

@@ -20,6 +20,7 @@ import torch.multiprocessing
 
 from .errors import fail
 from .file_tensor import FileTensor, read_into
+from .shared_ring import Lease, worker_ring
 
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
 
@@ -66,9 +67,12 @@ class BatchBuffer:
     def __init__(self, nbytes: int, shared: bool) -> None:
         self.shared = shared
         self.descriptor: int | None = None
+        self.lease: Lease | None = None
         if not shared:
             self.tensor = POOL.take(nbytes)
-        else:
+        elif nbytes and (lease := worker_ring().lend(nbytes)) is not None:
+            self.lease, self.tensor = lease, lease.tensor  # its pages are in place after first use: fill by mapping
+        else:  # every ring block is still held: a one-off block
             storage = torch.UntypedStorage._new_shared(nbytes)
             self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
             if nbytes and torch.multiprocessing.get_sharing_strategy() == "file_descriptor":

@@ -43,9 +43,14 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     offsets, nbytes = layout(fields)
     buffer = BatchBuffer(nbytes, shared=get_worker_info() is not None)
     tensors = [place(buffer.tensor, offset, field) for field, offset in zip(fields, offsets)]
-    fill(buffer, offsets, fields)
+    try:
+        fill(buffer, offsets, fields)
+    except BaseException:
+        if buffer.lease is not None:
+            buffer.lease.cancel()
+        raise
     batch = batch_dict(samples, fields, tensors)
-    return SharedBatch(batch, buffer.tensor) if buffer.shared else batch
+    return SharedBatch(batch, buffer.tensor, buffer.lease) if buffer.shared else batch
 
 
 def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:

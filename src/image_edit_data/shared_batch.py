@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .shared_ring import Lease, received_block
+
 
 class Placed(NamedTuple):
     """Where a tensor lies in the shared buffer."""
@@ -22,16 +24,37 @@ class Placed(NamedTuple):
 
 
 class SharedBatch(dict):  # type: ignore[type-arg]
-    """A batch dict whose tensors are views of `buffer` (a flat uint8 tensor in shared memory)."""
+    """A batch dict whose tensors are views of `buffer` (a flat uint8 tensor in shared memory).
 
-    def __init__(self, batch: dict[str, Any], buffer: torch.Tensor) -> None:
+    With a `lease` the buffer is a block of the worker's ring (`shared_ring.py`), which the
+    training process already holds after its first batch: only the block's place is sent.
+    """
+
+    def __init__(self, batch: dict[str, Any], buffer: torch.Tensor, lease: Lease | None = None) -> None:
         super().__init__(batch)
         self.buffer = buffer
+        self.lease = lease
 
     def __reduce__(self) -> tuple[Any, ...]:
         base = self.buffer.data_ptr()
         end = base + self.buffer.numel()
-        return rebuild_batch, (self.buffer, {key: placed(value, base, end) for key, value in self.items()})
+        skeleton = {key: placed(value, base, end) for key, value in self.items()}
+        if self.lease is not None:
+            return rebuild_leased_batch, (*self.lease.ring.handoff(self.lease), skeleton)
+        return rebuild_batch, (self.buffer, skeleton)
+
+
+def rebuild_leased_batch(
+    token: str,
+    slot: int,
+    generation: int,
+    block: torch.Tensor | None,
+    flags: torch.Tensor | None,
+    nbytes: int,
+    skeleton: dict[str, Any],
+) -> dict[str, Any]:
+    """The batch dict again, its tensors views of the worker's ring block."""
+    return rebuild_batch(received_block(token, slot, generation, block, flags, nbytes), skeleton)
 
 
 def placed(value: Any, base: int, end: int) -> Any:
