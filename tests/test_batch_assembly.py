@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import image_edit_data.collate as collate_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.batch_buffer import BatchBuffer
+from image_edit_data.batch_buffer import BatchBuffer, BufferPool
 from image_edit_data.payload import central_directory_total
 from image_edit_data.shared_batch import SharedBatch
 from image_edit_data.shared_ring import CAPACITY, RECEIVED
@@ -107,6 +107,23 @@ def test_worker_blocks_are_reused_once_freed_and_batches_still_held_are_never_ov
         assert torch.equal(batch["image_latents"][0], items[batch["metadata"]["sample_indices"][0]]["target_latent"])
     (ring,) = [RECEIVED[token] for token in set(RECEIVED) - rings_before]  # this epoch's worker
     assert 1 <= len(ring.blocks) <= 4  # prefetched batches plus the one in hand, not one block per batch
+    assert not rings_before & set(RECEIVED)  # rings of exited workers are dropped when a new one arrives
+
+
+def test_pooled_batch_memory_is_reused_only_once_every_tensor_of_its_batch_is_freed() -> None:
+    pool = BufferPool(capacity=2)
+    first = pool.take(1000)
+    first.fill_(1)
+    view = first[10:20].view(torch.int16)  # a view alone keeps the block lent
+    address = first.data_ptr()
+    del first
+    second = pool.take(1000)
+    assert second.data_ptr() != address
+    second.fill_(2)
+    assert torch.all(view == 0x0101)
+    del view
+    assert pool.take(900).data_ptr() == address  # free again, and big enough
+    assert pool.take(100).data_ptr() not in (address, second.data_ptr())  # reusing 1000 bytes for 100 wastes too much
 
 
 def test_shared_batch_pickles_tensors_added_by_other_code_as_usual() -> None:
