@@ -18,9 +18,9 @@ from torch.utils.data import DataLoader
 import image_edit_data.collate as collate_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
 from image_edit_data.batch_buffer import BatchBuffer, BufferPool
-from image_edit_data.payload import central_directory_total
 from image_edit_data.shared_batch import SharedBatch
 from image_edit_data.shared_ring import CAPACITY, RECEIVED
+from image_edit_data.torch_zip import central_directory_total
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
 

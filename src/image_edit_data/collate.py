@@ -1,10 +1,11 @@
 """Assemble one bucket's samples into a batch: every tensor copied once into one buffer, prompts zero-padded.
 
-A batch's tensors are views of one flat byte buffer (`BatchBuffer`). Sample tensors are either in
-memory (`.pt`, or samples built by hand) or `FileTensor`s still in their safetensors file, which
-the kernel copies straight into their place in the buffer. In a loader worker the buffer is shared
-memory, and the batch crosses to the training process as that one buffer plus where each tensor
-lies in it (`SharedBatch`), instead of one shared-memory hand-off per tensor.
+A batch's tensors are views of one flat byte buffer (`BatchBuffer`). Sample tensors are either
+`FileTensor`s still in their payload file, which the kernel copies straight into their place in
+the buffer, or in memory (mapped `.pt` tensors that are not plain byte ranges, samples built by
+hand). In a loader worker the buffer is shared memory, and the batch crosses to the training
+process as that one buffer plus where each tensor lies in it (`SharedBatch`), instead of one
+shared-memory hand-off per tensor.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from .errors import fail
 
 @dataclass(frozen=True, slots=True)
 class FileTensor:
-    """Shape, dtype and byte range of a tensor in an open file (a checked safetensors entry).
+    """Shape, dtype and byte range of a tensor in an open file (a checked safetensors entry or `.pt` storage).
 
     It answers the questions the contract checks ask of a tensor (`shape`, `ndim`, `dtype`,
     `is_floating_point()`), so a payload can be validated before any of its bytes are read; the

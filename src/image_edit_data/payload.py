@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import re
-import struct
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +25,9 @@ from .atomic import write_bytes_atomic
 from .errors import fail, show
 from .file_tensor import FileTensor
 from .paths import open_regular
+from .pt_in_file import in_file_fields, torch_notes_storage_offsets
 from .safetensors_header import read_header
+from .torch_zip import ZipEntry, stored_data_ranges, zip_entries
 
 PayloadFormat = Literal["pt", "safetensors"]
 FORMAT_KEY = "image_edit_data.format"
@@ -44,8 +45,9 @@ def format_of(path: str | Path) -> PayloadFormat:
 class OpenPayload:
     """One payload's fields, ready to be checked and read into a batch; close it when the batch is built.
 
-    safetensors fields are `FileTensor`s of the still-open file (nothing read yet but the header);
-    `.pt` fields are tensors mapped from the file by torch's weights-only loader.
+    Tensors are `FileTensor`s of the still-open file (nothing read yet but the header or the
+    pickle), or, for `.pt` files whose tensors are not plain byte ranges of the file, tensors
+    mapped from it by torch's weights-only loader.
     """
 
     def __init__(self, fields: dict[str, Any], descriptor: int | None = None) -> None:
@@ -53,7 +55,7 @@ class OpenPayload:
         self.descriptor = descriptor
 
     def close(self) -> None:
-        """Close the payload file (a no-op for `.pt`, whose mapping lives as long as its tensors)."""
+        """Close the payload file (a no-op for mapped `.pt` tensors, whose mapping lives as long as they do)."""
         if self.descriptor is not None:
             os.close(self.descriptor)
             self.descriptor = None
@@ -87,19 +89,61 @@ def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_resu
             os.close(descriptor)
             raise
     try:
-        if info.st_size == 0:
-            fail(display, "file", "is empty (0 bytes)")
-        is_zip = os.pread(descriptor, 4, 0) == b"PK\x03\x04"
-        if is_zip:
-            check_zip_expansion(path, descriptor, info.st_size, display)
-        legacy = None if is_zip else read_all(descriptor)  # torch's legacy format cannot be mapped
+        fields, in_file = torch_save_fields(path, descriptor, info.st_size, display)
     except OSError as error:
-        fail(display, "file", f"cannot be read: {error.strerror or error}")
-    finally:
         os.close(descriptor)
-    if legacy is None:
-        return OpenPayload(from_torch_save(path, display, mapped=True))
-    return OpenPayload(from_torch_save(io.BytesIO(legacy), display, mapped=False))
+        fail(display, "file", f"cannot be read: {error.strerror or error}")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    if in_file:
+        return OpenPayload(fields, descriptor)
+    os.close(descriptor)
+    return OpenPayload(fields)
+
+
+def torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
+    """A `torch.save` payload's fields, and whether its tensors are `FileTensor`s of `descriptor`.
+
+    When the layout allows, torch's loader only unpickles the structure (onto the meta device,
+    which notes where each storage lies in the file) and the batch later reads the bytes straight
+    into its own memory, as for safetensors. Otherwise the tensors are mapped from the file (views
+    that are not plain byte ranges) or loaded into memory (compressed entries, the other byte
+    order, another zip layout).
+    """
+    if size == 0:
+        fail(display, "file", "is empty (0 bytes)")
+    if os.pread(descriptor, 4, 0) != b"PK\x03\x04":  # torch's legacy format cannot be mapped
+        return from_torch_save(io.BytesIO(read_all(descriptor)), display, mapped=False), False
+    entries = zip_entries(descriptor, size)
+    check_zip_expansion(path, entries, size, display)
+    ranges = None if entries is None else stored_data_ranges(descriptor, entries, size)
+    if ranges is not None and torch_notes_storage_offsets():
+        structure = from_torch_save(path, display, mapped=False, map_location="meta")
+        fields = in_file_fields(structure, descriptor, ranges, display)
+        if fields is not None:
+            return fields, True
+    # torch maps compressed entries as if they were stored (wrong values): map only stored ones.
+    return from_torch_save(path, display, mapped=ranges is not None), False
+
+
+def check_zip_expansion(path: Path | str, entries: list[ZipEntry] | None, size: int, display: str) -> None:
+    """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
+
+    torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
+    small file could otherwise expand into gigabytes (a compression bomb). `entries` is the
+    central directory when it has the plain layout torch.save writes, else zipfile reads it.
+    """
+    if entries is None:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                unpacked = sum(entry.file_size for entry in archive.infolist())
+        except Exception as error:  # zipfile raises many types on damaged archives
+            fail(display, "payload", f"not a readable torch.save file (damaged zip: {error})")
+    else:
+        unpacked = sum(entry.unpacked_size for entry in entries)
+    if unpacked > size:
+        fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {size}-byte file")
 
 
 def read_all(descriptor: int) -> bytes:
@@ -108,10 +152,12 @@ def read_all(descriptor: int) -> bytes:
         return handle.read()
 
 
-def from_torch_save(source: Path | str | io.BytesIO, display: str, mapped: bool) -> dict[str, Any]:
+def from_torch_save(
+    source: Path | str | io.BytesIO, display: str, mapped: bool, map_location: str = "cpu"
+) -> dict[str, Any]:
     """A `torch.save` payload through the weights-only unpickler, as a dict of fields."""
     try:
-        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
+        loaded = torch.load(source, map_location=map_location, weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as error:
         fail(display, "payload", f"refused by the weights-only loader ({unpickler_reason(error)})")
     except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...
@@ -156,56 +202,6 @@ def unpickler_reason(error: pickle.UnpicklingError) -> str:
         text = text.split("\n\n", 1)[1]
     text = text.split("Check the documentation")[0].split(" Please use")[0]
     return " ".join(text.split()) or "no reason given"
-
-
-def check_zip_expansion(path: Path | str, descriptor: int, size: int, display: str) -> None:
-    """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
-
-    torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
-    small file could otherwise expand into gigabytes (a compression bomb).
-    """
-    unpacked = central_directory_total(descriptor, size)
-    if unpacked is None:  # not the plain layout torch.save writes: let zipfile read (or refuse) it
-        try:
-            with zipfile.ZipFile(path) as archive:
-                entries = archive.infolist()
-        except Exception as error:  # zipfile raises many types on damaged archives
-            fail(display, "payload", f"not a readable torch.save file (damaged zip: {error})")
-        unpacked = sum(entry.file_size for entry in entries)
-    if unpacked > size:
-        fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {size}-byte file")
-
-
-END_RECORD = struct.Struct("<4s4H2LH")  # end of central directory: signature ... comment length
-CENTRAL_ENTRY = struct.Struct("<4s6H3L5H2L")  # central directory file header (46 bytes)
-ZIP64_MARK = 0xFFFFFFFF
-
-
-def central_directory_total(descriptor: int, size: int) -> int | None:
-    """Unpacked bytes of all entries, from the central directory of a zip as torch.save writes it.
-
-    Two reads and no objects per entry (zipfile costs as much as the rest of a payload's checks).
-    None for anything else (a comment, zip64 sizes, several disks, damage): zipfile then decides.
-    """
-    if size < END_RECORD.size:
-        return None
-    end = END_RECORD.unpack(os.pread(descriptor, END_RECORD.size, size - END_RECORD.size))
-    signature, disk, directory_disk, disk_entries, entries, directory_size, directory_offset, comment = end
-    if signature != b"PK\x05\x06" or disk or directory_disk or comment or disk_entries != entries:
-        return None
-    if ZIP64_MARK in (directory_size, directory_offset) or directory_offset + directory_size > size:
-        return None
-    directory = os.pread(descriptor, directory_size, directory_offset)
-    total = position = 0
-    for _ in range(entries):
-        if position + CENTRAL_ENTRY.size > len(directory):
-            return None
-        entry = CENTRAL_ENTRY.unpack_from(directory, position)
-        if entry[0] != b"PK\x01\x02" or ZIP64_MARK in (entry[8], entry[9]):
-            return None
-        total += entry[9]
-        position += CENTRAL_ENTRY.size + entry[10] + entry[11] + entry[12]
-    return total if position == len(directory) else None
 
 
 def from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]:

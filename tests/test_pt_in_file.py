@@ -1,0 +1,167 @@
+"""`.pt` tensors are read straight from the file when they are plain byte ranges, and loaded by torch otherwise."""
+
+from __future__ import annotations
+
+import io
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from cachefactory import make_payload, write_cache
+
+import image_edit_data.payload as payload_module
+from image_edit_data import ImageEditDataset, collate_image_edit
+from image_edit_data.file_tensor import FileTensor
+from image_edit_data.payload import open_payload
+from image_edit_data.pt_in_file import NotAByteRange, file_tensor
+from image_edit_data.torch_zip import stored_data_ranges, zip_entries
+
+CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
+
+
+def varied_payloads(count: int = 4) -> list[dict[str, Any]]:
+    """Payloads of mixed dtypes whose tensors are views into shared storages at offsets."""
+    items = []
+    for i in range(count):
+        payload = make_payload(i, contexts=((4, 8, 8), (4, 8, 8)), sequence=3 + i, conditioning=CONDITIONING)
+        latents = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(i))
+        payload["target_latent"] = latents[2]  # views at offsets into one storage
+        payload["context_latents"] = [latents[0], latents[1]]
+        prompt = torch.randn(10 + i, 6, generator=torch.Generator().manual_seed(100 + i)).to(torch.bfloat16)
+        payload["prompt_embeddings"] = prompt[2 : 2 + 3 + i]
+        payload["prompt_attention_mask"] = torch.arange(3 + i) % 2 == 0
+        items.append(payload)
+    return items
+
+
+def cache_tensors(fields: dict[str, Any]) -> list[Any]:
+    return [
+        fields["target_latent"],
+        *fields["context_latents"],
+        fields["prompt_embeddings"],
+        fields["prompt_attention_mask"],
+        *fields["conditioning_tensors"].values(),
+    ]
+
+
+def assert_batch_holds(batch: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    for row, index in enumerate(batch["metadata"]["sample_indices"]):
+        expected = items[index]
+        length = expected["prompt_embeddings"].shape[0]
+        assert torch.equal(batch["image_latents"][row], expected["target_latent"])
+        for got, want in zip(batch["context_latents"], expected["context_latents"], strict=True):
+            assert torch.equal(got[row], want)
+        assert torch.equal(batch["text_embeddings"][row, :length], expected["prompt_embeddings"])
+        assert torch.equal(batch["text_attention_mask"][row, :length], expected["prompt_attention_mask"])
+        assert torch.equal(batch["conditioning_tensors"]["image_grid_thw"][row], CONDITIONING["image_grid_thw"])
+
+
+def batch_of_all(root: Path) -> dict[str, Any]:
+    dataset = ImageEditDataset(root)
+    return collate_image_edit(dataset.__getitems__(list(range(len(dataset)))))
+
+
+def rewrite_zip(path: Path, compression: int = zipfile.ZIP_STORED, edit: Any = None) -> None:
+    """Rewrite a torch.save zip entry by entry, optionally compressed or with entries edited."""
+    with zipfile.ZipFile(path) as source:
+        entries = [(info.filename, source.read(info.filename)) for info in source.infolist()]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=compression) as target:
+        for name, data in entries:
+            target.writestr(name, edit(name, data) if edit else data)
+    path.write_bytes(out.getvalue())
+
+
+def test_pt_tensors_are_read_from_the_file_at_their_storage_offsets(tmp_path: Path) -> None:
+    items = varied_payloads()
+    root = write_cache(tmp_path, items)
+    with open_payload(root / "samples" / "sample_00000001.pt", "sample 1") as payload:
+        tensors = cache_tensors(payload.fields)
+        assert all(type(t) is FileTensor for t in tensors)
+        # The target is the third latent of a storage shared with the contexts: it starts 2 latents in.
+        assert tensors[0].offset - tensors[1].offset == 2 * 4 * 8 * 8 * 4
+        assert torch.equal(tensors[0].materialize(), items[1]["target_latent"])
+    assert_batch_holds(batch_of_all(root), items)
+
+
+@pytest.mark.parametrize("case", ["non-contiguous", "deflated", "big-endian", "old torch"])
+def test_payloads_that_are_not_plain_byte_ranges_are_loaded_by_torch_with_the_same_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    items = varied_payloads()
+    if case == "non-contiguous":
+        for payload in items:
+            payload["target_latent"] = payload["target_latent"].transpose(1, 2)
+    root = write_cache(tmp_path, items)
+    paths = sorted((root / "samples").iterdir())
+    if case == "deflated":
+        for path in paths:
+            rewrite_zip(path, zipfile.ZIP_DEFLATED)
+    if case == "big-endian":
+        for path in paths:
+            to_big_endian(path)
+    if case == "old torch":  # a torch whose meta loading notes no storage offsets
+        monkeypatch.setattr(payload_module, "torch_notes_storage_offsets", lambda: False)
+    with open_payload(paths[0], "sample 0") as payload:
+        assert not any(type(t) is FileTensor for t in cache_tensors(payload.fields))
+    assert_batch_holds(batch_of_all(root), items)
+
+
+def to_big_endian(path: Path) -> None:
+    """Rewrite a torch.save file as a big-endian machine would have written it."""
+    itemsize_at = {}  # data entry name -> bytes per element of the tensors stored in it
+    structure = torch.load(path, map_location="meta", weights_only=True)
+    with zipfile.ZipFile(path) as archive:
+        starts = {info.header_offset: info.filename for info in archive.infolist()}
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(descriptor).st_size
+            entries = zip_entries(descriptor, size)
+            ranges = stored_data_ranges(descriptor, entries or [], size)
+        finally:
+            os.close(descriptor)
+    assert entries is not None and ranges is not None
+    names = {begin: starts[entry.header_offset] for entry, (begin, _) in zip(entries, ranges, strict=True)}
+    for tensor in cache_tensors(structure):
+        start = tensor.untyped_storage()._checkpoint_offset
+        itemsize_at[names[start]] = tensor.element_size()
+
+    def swapped(name: str, data: bytes) -> bytes:
+        if name.endswith("/byteorder"):
+            return b"big"
+        width = itemsize_at.get(name, 1)
+        return b"".join(data[i : i + width][::-1] for i in range(0, len(data), width))
+
+    rewrite_zip(path, edit=swapped)
+
+
+def test_the_byte_order_entry_decides_whether_tensors_can_be_read_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "payload.pt"
+    torch.save(varied_payloads(1)[0], path)
+    for byteorder, readable in ((None, True), (b"little", True), (b"big", False)):
+        if byteorder is not None:
+            rewrite_zip(path, edit=lambda name, data, b=byteorder: b if name.endswith("/byteorder") else data)
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(descriptor).st_size
+            entries = zip_entries(descriptor, size)
+            assert entries is not None
+            assert (stored_data_ranges(descriptor, entries, size) is not None) is readable
+        finally:
+            os.close(descriptor)
+
+
+def test_a_tensor_outside_every_stored_entry_is_not_read_in_place() -> None:
+    saved = io.BytesIO()
+    torch.save({"t": torch.arange(8.0)}, saved)
+    saved.seek(0)
+    meta = torch.load(saved, map_location="meta", weights_only=True)["t"]
+    start = meta.untyped_storage()._checkpoint_offset
+    assert file_tensor(meta, 3, [(start, start + 32)], "x").offset == start
+    assert file_tensor(meta[2:], 3, [(start, start + 32)], "x").offset == start + 8
+    for ranges in ([(start, start + 31)], [(start + 1, start + 64)], []):
+        with pytest.raises(NotAByteRange):
+            file_tensor(meta, 3, ranges, "x")
