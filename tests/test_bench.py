@@ -88,6 +88,8 @@ def test_bench_reports_every_number_for_ours_naive_and_bare_loop(tmp_path: Path,
     for key in ("mb_s", "single_thread_mb_s", "torch_mb_s", "buffer_bytes"):
         assert positive(memcpy[key]), key
     assert memcpy["mb_s"] == max(memcpy["single_thread_mb_s"], memcpy["torch_mb_s"])
+    assert positive(results["page_cache"]["mb_s"]) and results["page_cache"]["files"] == 28  # 2 + 5 batches of 4
+    assert "page-cache read rate" in printed
 
     assert results["cache"]["samples"] == 40 and results["cache"]["kept"] is True
     assert results["settings"]["measured_batches"] == 5

@@ -1,4 +1,4 @@
-"""What `image-edit-data bench` measures: the machine, memcpy bandwidth, worker memory and timed loading.
+"""What `image-edit-data bench` measures: the machine, memcpy and page-cache read rates, worker memory, loading.
 
 Memory figures come from `/proc` (Linux); elsewhere they are None. Throughput counts the payload
 file bytes of the samples a loader yielded, whatever it does with them.
@@ -106,6 +106,27 @@ def warm_page_cache(paths: Iterable[str | Path], chunk: int = 1 << 20) -> None:
         with open(path, "rb", buffering=0) as handle:
             while handle.readinto(buffer):
                 pass
+
+
+def page_cache_read_rate(paths: Sequence[str], repeats: int = 3) -> dict[str, Any]:
+    """MB/s of reading `paths` from the page cache with one `preadv` each into one reused buffer.
+
+    Every loader that reads the files pays this kernel copy (ours does it straight into the
+    batch), so it bounds them all; on some machines it runs well below memcpy.
+    """
+    sizes = [os.path.getsize(path) for path in paths]
+    buffer = np.zeros(max(sizes, default=1), dtype=np.uint8)  # zeros: its pages are in place before timing
+    view = memoryview(buffer)  # type: ignore[arg-type]  # numpy arrays are buffers
+
+    def read_all() -> None:
+        for path, size in zip(paths, sizes):
+            descriptor = os.open(path, os.O_RDONLY)
+            try:
+                os.preadv(descriptor, [view[:size]], 0)
+            finally:
+                os.close(descriptor)
+
+    return {"mb_s": best_rate(read_all, sum(sizes), repeats), "files": len(paths), "repeats": repeats}
 
 
 def best_rate(copy: Any, nbytes: int, repeats: int) -> float:

@@ -82,6 +82,13 @@ def render(results: dict[str, Any], console: Console) -> None:
             f"{memcpy['torch_mb_s']:,.0f} MB/s)",
             highlight=False,
         )
+    if results.get("page_cache"):
+        reads = results["page_cache"]
+        console.print(
+            f"page-cache read rate: {reads['mb_s']:,.0f} MB/s (one preadv per payload of the {reads['files']:,} "
+            f"planned, into one reused buffer, one thread; best of {reads['repeats']} passes)",
+            highlight=False,
+        )
     if results["index"]:
         console.print(index_table(results["index"]))
     if results["runs"]:

@@ -20,6 +20,7 @@ from .bench_measure import (
     load_average,
     machine_info,
     memcpy_bandwidth,
+    page_cache_read_rate,
     timed_batches,
     wait_for_quiet,
     warm_page_cache,
@@ -100,6 +101,7 @@ def results_frame(mode: str, options: BenchOptions, reference: ModuleType | None
         "cache": {},
         "index": [],
         "memcpy": None,
+        "page_cache": None,
         "runs": [],
         "epochs": [],
     }
@@ -157,6 +159,9 @@ def run_loaders(
     sizes = {i: Path(paths[i]).stat().st_size for batch in plan for i in batch}
     runs: dict[tuple[str, int | None], Run] = {}
     planned = [paths[i] for i in sizes]  # read once before each run: every loader starts from the page cache
+    with step("measuring the page-cache read rate"):
+        warm_page_cache(planned)
+        results["page_cache"] = page_cache_read_rate(planned)
     for workers in options.num_workers:
         with step(f"timing our loader with {workers} workers"):
             warm_page_cache(planned)
