@@ -25,6 +25,7 @@ from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
 from rich.progress import track
 
+from .bench_measure import LOADER_NOISE
 from .bench_reference import import_reference
 from .bench_report import render
 from .bench_run import BenchOptions, run_index_only, run_loaders, run_worker_memory
@@ -140,8 +141,7 @@ def bench_main(argv: list[str]) -> int:
     try:
         cache_dir = write_cache(args, spec, temporary, console) if writes else Path(args.cache_dir)
         with warnings.catch_warnings():
-            # Said once per loader built, and about the loaders, not the numbers: pin_memory without a GPU, set_vital.
-            warnings.filterwarnings("ignore", message=".*(pin_memory|set_vital).*")
+            warnings.filterwarnings("ignore", message=LOADER_NOISE)
             results = run(cache_dir, options, args, console, reference)
     except USER_ERRORS as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)

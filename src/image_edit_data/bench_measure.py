@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 MB = 1e6  # throughput is in MB/s of 10^6 bytes
+# Warnings said once per loader built, about the loaders and not the numbers: pin_memory without a GPU, set_vital.
+LOADER_NOISE = ".*(pin_memory|set_vital).*"
 # `with step("what is measured"):` around each measurement: waits for a quiet machine, shows progress.
 Step = Callable[[str], AbstractContextManager[None]]
 

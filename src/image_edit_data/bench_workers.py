@@ -17,12 +17,13 @@ import importlib
 import multiprocessing
 import sys
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .bench_measure import Step, load_average, private_bytes, shut_down, worker_memory, worker_pids
+from .bench_measure import LOADER_NOISE, Step, load_average, private_bytes, shut_down, worker_memory, worker_pids
 from .bench_reference import build_reference
 from .loader import ImageEditDataloaderConfig
 
@@ -82,6 +83,7 @@ def epoch_in_child(
     """Build one loader (`reference`: the reference's module and its import root) and run `epoch_worker_memory`."""
     # This process came from the fork server, whose start method it inherits; loaders fork their workers.
     multiprocessing.set_start_method("fork", force=True)
+    warnings.filterwarnings("ignore", message=LOADER_NOISE)  # the bench's own filter does not reach this process
     if loader == "reference" and reference is not None:
         name, root = reference
         if root not in sys.path:  # the fork server may have started before the bench added it
