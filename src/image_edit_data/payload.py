@@ -47,7 +47,7 @@ class OpenPayload:
 
     Tensors are `FileTensor`s of the still-open file (nothing read yet but the header or the
     pickle), or, for `.pt` files whose tensors are not plain byte ranges of the file, tensors
-    mapped from it by torch's weights-only loader.
+    that torch's weights-only loader mapped from it or read into memory.
     """
 
     def __init__(self, fields: dict[str, Any], descriptor: int | None = None) -> None:
