@@ -20,7 +20,7 @@ from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEd
 from image_edit_data.batch_buffer import BatchBuffer, BufferPool
 from image_edit_data.shared_batch import SharedBatch
 from image_edit_data.shared_ring import CAPACITY, RECEIVED
-from image_edit_data.torch_zip import central_directory_total
+from image_edit_data.torch_zip import zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
 
@@ -193,7 +193,8 @@ def central_total(data: bytes, tmp_path: Path) -> int | None:
     path.write_bytes(data)
     descriptor = os.open(path, os.O_RDONLY)
     try:
-        return central_directory_total(descriptor, len(data))
+        entries = zip_entries(descriptor, len(data))
+        return None if entries is None else sum(entry.unpacked_size for entry in entries)
     finally:
         os.close(descriptor)
 

@@ -17,7 +17,7 @@ from image_edit_data import ImageEditDataset, collate_image_edit
 from image_edit_data.file_tensor import FileTensor
 from image_edit_data.payload import open_payload
 from image_edit_data.pt_in_file import NotAByteRange, file_tensor
-from image_edit_data.torch_zip import stored_data_ranges, zip_entries
+from image_edit_data.torch_zip import data_range, stored_data_ranges, zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
 
@@ -112,22 +112,19 @@ def test_payloads_that_are_not_plain_byte_ranges_are_loaded_by_torch_with_the_sa
 
 def to_big_endian(path: Path) -> None:
     """Rewrite a torch.save file as a big-endian machine would have written it."""
-    itemsize_at = {}  # data entry name -> bytes per element of the tensors stored in it
+    itemsize_at = {}  # entry name -> bytes per element of the tensors stored in it
     structure = torch.load(path, map_location="meta", weights_only=True)
-    with zipfile.ZipFile(path) as archive:
-        starts = {info.header_offset: info.filename for info in archive.infolist()}
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(descriptor).st_size
-            entries = zip_entries(descriptor, size)
-            ranges = stored_data_ranges(descriptor, entries or [], size)
-        finally:
-            os.close(descriptor)
-    assert entries is not None and ranges is not None
-    names = {begin: starts[entry.header_offset] for entry, (begin, _) in zip(entries, ranges, strict=True)}
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(descriptor).st_size
+        entries = zip_entries(descriptor, size)
+        assert entries is not None
+        name_at = {data_range(descriptor, entry, size): entry.name.decode() for entry in entries}
+    finally:
+        os.close(descriptor)
+    starts = {found[0]: name for found, name in name_at.items() if found is not None}
     for tensor in cache_tensors(structure):
-        start = tensor.untyped_storage()._checkpoint_offset
-        itemsize_at[names[start]] = tensor.element_size()
+        itemsize_at[starts[tensor.untyped_storage()._checkpoint_offset]] = tensor.element_size()
 
     def swapped(name: str, data: bytes) -> bytes:
         if name.endswith("/byteorder"):

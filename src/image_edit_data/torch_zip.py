@@ -1,8 +1,8 @@
-"""The zip layout `torch.save` writes: its entries, the bytes they unpack to, and where their data lies.
+"""The zip layout `torch.save` writes: its entries and where their tensor data lies.
 
-Read with a few `pread`s and no objects per entry, so a payload's checks cost little next to
-reading it. Anything other than the plain layout torch.save writes (a comment, zip64 sizes,
-several disks, damage) gives None, and the caller falls back to `zipfile` or to torch itself.
+Read with a few `pread`s, since `zipfile` would cost as much as the rest of a payload's checks.
+Anything other than the plain layout torch.save writes (a comment, zip64 sizes, several disks,
+damage) gives None, and the caller falls back to `zipfile` or to torch itself.
 """
 
 from __future__ import annotations
@@ -54,12 +54,6 @@ def zip_entries(descriptor: int, size: int) -> list[ZipEntry] | None:
     return entries if position == len(directory) else None
 
 
-def central_directory_total(descriptor: int, size: int) -> int | None:
-    """Unpacked bytes of all entries (None: not the plain layout torch.save writes)."""
-    entries = zip_entries(descriptor, size)
-    return None if entries is None else sum(entry.unpacked_size for entry in entries)
-
-
 def data_range(descriptor: int, entry: ZipEntry, size: int) -> tuple[int, int] | None:
     """The file bytes `[start, end)` of a stored entry's data, or None if it is compressed or damaged."""
     if entry.method != STORED or entry.packed_size != entry.unpacked_size:
@@ -76,19 +70,25 @@ def data_range(descriptor: int, entry: ZipEntry, size: int) -> tuple[int, int] |
 
 
 def stored_data_ranges(descriptor: int, entries: list[ZipEntry], size: int) -> list[tuple[int, int]] | None:
-    """Where every entry's bytes lie in a torch.save file whose tensors can be read straight from it.
+    """Where the tensor data entries (`<archive>/data/<key>`) lie in a torch.save file.
 
-    None when they cannot: another zip layout, a compressed entry, or tensors saved in the other
-    byte order (torch swaps those bytes as it loads them).
+    None when the tensors cannot be read straight from the file: a data entry is compressed or
+    damaged, or they were saved in the other byte order (torch swaps those bytes as it loads them).
+    Only these entries and `byteorder` are looked at: one local header read each.
     """
     ranges = []
     for entry in entries:
+        parts = entry.name.rsplit(b"/", 2)
+        is_data, is_byteorder = len(parts) == 3 and parts[1] == b"data", parts[-1] == b"byteorder"
+        if not (is_data or is_byteorder):
+            continue
         found = data_range(descriptor, entry, size)
         if found is None:
             return None
-        if entry.name.rsplit(b"/", 1)[-1] == b"byteorder":
+        if is_byteorder:
             start, end = found
             if os.pread(descriptor, end - start, start).decode("ascii", "replace") != sys.byteorder:
                 return None
-        ranges.append(found)
+        else:
+            ranges.append(found)
     return ranges
