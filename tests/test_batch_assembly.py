@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 import zipfile
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -15,9 +16,11 @@ import torch.multiprocessing
 from cachefactory import make_payload, write_cache
 from torch.utils.data import DataLoader
 
+import image_edit_data.batch_buffer as batch_buffer_module
 import image_edit_data.collate as collate_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.batch_buffer import BatchBuffer, BufferPool
+from image_edit_data.batch_buffer import BatchBuffer, BufferPool, halves_by_bytes
+from image_edit_data.file_tensor import FileTensor
 from image_edit_data.shared_batch import SharedBatch
 from image_edit_data.shared_ring import CAPACITY, RECEIVED
 from image_edit_data.torch_zip import zip_entries
@@ -165,6 +168,62 @@ def test_a_payload_that_shrinks_after_its_header_was_checked_is_a_clear_error(tm
             collate_image_edit([sample])
     finally:
         payload.close()
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_batches_read_by_two_threads_equal_batches_read_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    root = write_cache(tmp_path, payloads(), suffix=suffix)
+    serial = batches(root, num_workers=0)
+    helper_files: list[int] = []
+    read_each = BatchBuffer.read_each
+
+    def noting_read_each(self: BatchBuffer, files: list) -> None:
+        if threading.current_thread().name.startswith("image-edit-data-read"):
+            helper_files.append(len(files))
+        read_each(self, files)
+
+    monkeypatch.setattr(batch_buffer_module, "PARALLEL_READ_MIN_BYTES", 1)
+    monkeypatch.setattr(batch_buffer_module, "usable_cores", lambda: 2)  # as on any machine with two cores
+    monkeypatch.setattr(BatchBuffer, "read_each", noting_read_each)
+    monkeypatch.setattr(collate_module, "BatchBuffer", DirtyBuffer)
+    parallel = batches(root, num_workers=0)
+    assert len(helper_files) == 2 and all(1 <= n <= 2 for n in helper_files)  # of each batch's 3 files
+    for a, b in zip(serial, parallel, strict=True):
+        assert_same_batch(a, b)
+
+
+@pytest.mark.parametrize("broken", [0, 1])  # one of the two files is read by the helper thread
+def test_a_file_that_fails_in_either_reader_thread_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: int
+) -> None:
+    root = write_cache(tmp_path, payloads(2), suffix=".safetensors")
+    monkeypatch.setattr(batch_buffer_module, "PARALLEL_READ_MIN_BYTES", 1)
+    monkeypatch.setattr(batch_buffer_module, "usable_cores", lambda: 2)
+    dataset = ImageEditDataset(root)
+    opened = [dataset.open_sample(0), dataset.open_sample(1)]
+    try:
+        path = root / "samples" / f"sample_0000000{broken}.safetensors"
+        os.truncate(path, path.stat().st_size - 10)
+        with pytest.raises(
+            CacheFormatError, match=rf"^samples/sample_0000000{broken}.safetensors: payload: file ended"
+        ):
+            collate_image_edit([sample for sample, _ in opened])
+    finally:
+        for _, payload in opened:
+            payload.close()
+
+
+def test_files_are_split_between_the_two_readers_by_bytes() -> None:
+    def file_of(nbytes: int) -> list:
+        return [(0, 0, FileTensor((nbytes,), torch.uint8, -1, 0, nbytes, "f"))]
+
+    files = [file_of(n) for n in (10, 70, 20, 30, 40)]
+    mine, theirs = halves_by_bytes(files)
+    sums = sorted(sum(part[2].nbytes for parts in group for part in parts) for group in (mine, theirs))
+    assert sums == [80, 90]
+    assert sorted(id(f) for f in mine + theirs) == sorted(id(f) for f in files)
 
 
 def test_legacy_pt_payloads_are_read_too(tmp_path: Path) -> None:

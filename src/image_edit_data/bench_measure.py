@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .batch_buffer import usable_cores
+
 MB = 1e6  # throughput is in MB/s of 10^6 bytes
 # Warnings said once per loader built, about the loaders and not the numbers: pin_memory without a GPU, set_vital.
 LOADER_NOISE = ".*(pin_memory|set_vital).*"
@@ -68,7 +70,7 @@ def cpu_model() -> str:
 
 def machine_info() -> dict[str, Any]:
     """The facts a throughput number needs next to it."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    usable = usable_cores()
     return {
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),

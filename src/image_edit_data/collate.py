@@ -163,8 +163,7 @@ def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[Field]) -
                 reads.setdefault(source.descriptor, []).append((source.offset, start, source))
             else:
                 buffer.copy(start, source)
-    for parts in reads.values():
-        buffer.read(sorted(parts, key=lambda part: part[0]))
+    buffer.read_files([sorted(parts, key=lambda part: part[0]) for parts in reads.values()])
 
 
 def batch_dict(
