@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 import image_edit_data.batch_buffer as batch_buffer_module
 import image_edit_data.collate as collate_module
+import image_edit_data.shared_batch as shared_batch_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
 from image_edit_data.batch_buffer import BatchBuffer, BufferPool, halves_by_bytes
 from image_edit_data.file_tensor import FileTensor
@@ -140,6 +141,18 @@ def test_shared_batch_pickles_tensors_added_by_other_code_as_usual() -> None:
     assert torch.equal(received["b"][1], outside) and torch.equal(received["c"]["d"], outside)
     assert received["e"] == "text"
     assert received["a"].untyped_storage().data_ptr() == received["b"][0].untyped_storage().data_ptr()
+
+
+def test_shared_batch_searches_only_its_placed_keys_for_views_of_the_buffer() -> None:
+    buffer = torch.arange(64, dtype=torch.uint8)
+    inside = buffer[16:32].view(torch.float32).view(2, 2)
+    batch = SharedBatch({"a": inside, "meta": {"rows": [1, 2], "view": inside}}, buffer, placed_keys={"a"})
+    skeleton = batch.__reduce__()[1][1]
+    assert isinstance(skeleton["a"], shared_batch_module.Placed)
+    assert skeleton["meta"]["view"] is inside  # left for pickle's own tensor sharing
+    received = pickle.loads(ForkingPickler.dumps(batch))
+    assert torch.equal(received["a"], inside) and torch.equal(received["meta"]["view"], inside)
+    assert received["meta"]["rows"] == [1, 2]
 
 
 def test_other_collate_functions_see_sample_dicts_that_view_the_batch(tmp_path: Path) -> None:

@@ -51,7 +51,9 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
             buffer.lease.cancel()
         raise
     batch = batch_dict(samples, fields, tensors)
-    return SharedBatch(batch, buffer.tensor, buffer.lease) if buffer.shared else batch
+    if not buffer.shared:
+        return batch
+    return SharedBatch(batch, buffer.tensor, buffer.lease, placed_keys={field.key for field in fields})
 
 
 def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:

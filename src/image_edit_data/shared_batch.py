@@ -8,6 +8,7 @@ plain dict whose tensors are views of the received buffer: no copy on either sid
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import torch
@@ -28,20 +29,30 @@ class SharedBatch(dict):  # type: ignore[type-arg]
 
     With a `lease` the buffer is a block of the worker's ring (`shared_ring.py`), which the
     training process already holds after its first batch: only the block's place is sent.
+    `placed_keys` names the entries that hold views of the buffer (all when None); the others,
+    such as the per-sample metadata, pickle as they are without being searched for tensors.
     """
 
-    def __init__(self, batch: dict[str, Any], buffer: torch.Tensor, lease: Lease | None = None) -> None:
+    def __init__(
+        self,
+        batch: dict[str, Any],
+        buffer: torch.Tensor,
+        lease: Lease | None = None,
+        placed_keys: Collection[str] | None = None,
+    ) -> None:
         super().__init__(batch)
         self.buffer = buffer
         self.lease = lease
+        self.placed_keys = frozenset(batch if placed_keys is None else placed_keys)
 
     def __reduce__(self) -> tuple[Any, ...]:
         base = self.buffer.data_ptr()
         end = base + self.buffer.numel()
-        skeleton = {key: placed(value, base, end) for key, value in self.items()}
+        skeleton = {key: placed(value, base, end) if key in self.placed_keys else value for key, value in self.items()}
+        keys = tuple(self.placed_keys)
         if self.lease is not None:
-            return rebuild_leased_batch, (*self.lease.ring.handoff(self.lease), skeleton)
-        return rebuild_batch, (self.buffer, skeleton)
+            return rebuild_leased_batch, (*self.lease.ring.handoff(self.lease), skeleton, keys)
+        return rebuild_batch, (self.buffer, skeleton, keys)
 
 
 def rebuild_leased_batch(
@@ -52,9 +63,10 @@ def rebuild_leased_batch(
     flags: torch.Tensor | None,
     nbytes: int,
     skeleton: dict[str, Any],
+    placed_keys: tuple[str, ...],
 ) -> dict[str, Any]:
     """The batch dict again, its tensors views of the worker's ring block."""
-    return rebuild_batch(received_block(token, slot, generation, block, flags, nbytes), skeleton)
+    return rebuild_batch(received_block(token, slot, generation, block, flags, nbytes), skeleton, placed_keys)
 
 
 def placed(value: Any, base: int, end: int) -> Any:
@@ -73,9 +85,9 @@ def placed(value: Any, base: int, end: int) -> Any:
     return value
 
 
-def rebuild_batch(buffer: torch.Tensor, skeleton: dict[str, Any]) -> dict[str, Any]:
+def rebuild_batch(buffer: torch.Tensor, skeleton: dict[str, Any], placed_keys: tuple[str, ...]) -> dict[str, Any]:
     """The batch dict again, its tensors views of the received `buffer`."""
-    return {key: unplaced(value, buffer) for key, value in skeleton.items()}
+    return {key: unplaced(value, buffer) if key in placed_keys else value for key, value in skeleton.items()}
 
 
 def unplaced(value: Any, buffer: torch.Tensor) -> Any:
