@@ -1,11 +1,13 @@
 """`BatchBuffer`: the one block of memory a batch's tensors live in, and the copies into it.
 
 In the training process it is ordinary memory, filled with `preadv` (file pages -> buffer) and
-memcpy; a batch's files are read two at a time when the process may use two cores, since one
+memcpy; a big batch's files are read two at a time when the process may use two cores, since one
 thread's kernel copy out of the page cache reaches only about half the memory bandwidth. In a
-loader worker it is a shared-memory file: the kernel copies file pages into it with
-`sendfile` and tensors with `pwrite`, so its pages are never first zeroed and then faulted in one
-by one, as writing through the mapping would make them.
+loader worker it is a block of the worker's shared-memory ring, filled the same way once its pages
+are in place. A one-off shared block (every ring block still held) is filled through its file
+instead: the kernel copies file pages into it with `sendfile` and tensors with `pwrite`, so its
+fresh pages are never first zeroed and then faulted in one by one, as writing through the mapping
+would make them.
 """
 
 from __future__ import annotations
