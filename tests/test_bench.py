@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import image_edit_data.bench_run as bench_run
 from image_edit_data.bench import bench_main
 from image_edit_data.bench_index import forget_stored_index, stored_index_files
 from image_edit_data.bench_measure import cpu_model
@@ -129,6 +130,32 @@ def test_bench_measures_an_existing_safetensors_cache_without_json(
     assert code == 0, printed
     assert "24 samples" in printed and "safetensors payloads" in printed
     assert "bare load loop" in printed and "re-open (stored index)" in printed
+
+
+def test_rounds_time_the_loaders_in_turns_and_report_each_ones_fastest_round(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+
+    def recording(measure: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            run = measure(*args, **kwargs)
+            order.append(f"{run.loader} {run.num_workers}")
+            return run
+
+        return timed
+
+    monkeypatch.setattr(bench_run, "timed_batches", recording(bench_run.timed_batches))
+    monkeypatch.setattr(bench_run, "bare_loop", recording(bench_run.bare_loop))
+    argv = ["--make-synthetic", "24", *TINY, "--batches", "2", "--warmup", "1", "--compare-naive", "--rounds", "3"]
+    results, printed = run_json(tmp_path, argv, capsys)
+    assert order == ["ours 0", "naive 0", "bare None"] * 3
+    assert len(results["runs"]) == 3
+    for run in results["runs"]:
+        assert len(run["rounds_samples_s"]) == 3 and all(positive(rate) for rate in run["rounds_samples_s"])
+        assert math.isclose(run["samples_s"], max(run["rounds_samples_s"]))
+        assert math.isclose(run["seconds"], run["samples"] / run["samples_s"])
+    assert "fastest of 3 rounds" in printed and "slowest round" in printed
 
 
 def test_index_only_writes_no_payloads_and_measures_the_parse_and_the_stored_reopen(
@@ -260,6 +287,7 @@ def test_pt_twin_of_a_safetensors_cache_holds_the_same_tensors_and_only_their_by
         (["--make-synthetic", "4", "--latent", "16x64"], 2, "--latent: expected 3 positive integers like 16x64x64"),
         (["cache", "--num-workers", "0", "-1"], 2, "--num-workers: expected an integer >= 0, got -1"),
         (["cache", "--batch-size", "0"], 2, "--batch-size: expected an integer >= 1, got 0"),
+        (["cache", "--rounds", "0"], 2, "--rounds: expected an integer >= 1, got 0"),
         (["cache", "--torch-threads", "0"], 2, "--torch-threads: expected an integer >= 1, got 0"),
         (["cache", "--wait-load", "0"], 2, "--wait-load: expected a positive load average, got 0.0"),
         (
@@ -302,8 +330,9 @@ def test_compare_reference_measures_the_reference_on_a_pt_twin_of_a_safetensors_
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     argv = ["--make-synthetic", "32", "--format", "safetensors", *TINY, "--batches", "4", "--warmup", "1"]
-    results, printed = run_json(tmp_path, [*argv, *REFERENCE_ARGS], capsys)
+    results, printed = run_json(tmp_path, [*argv, "--rounds", "2", *REFERENCE_ARGS], capsys)
     assert results["reference"]["version"] and "reference (NeMo)" in printed
+    assert all(len(run["rounds_samples_s"]) == 2 for run in results["runs"])
     *ours, reference = results["index"]
     assert reference["loader"] == "reference" and reference["samples"] == 32
     for row in ours:

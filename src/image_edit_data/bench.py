@@ -2,7 +2,8 @@
 
 One run measures, on this machine: opening the index; the machine's memcpy bandwidth; our loader
 at each `--num-workers`; with `--compare-naive` a plain DataLoader and a bare load loop over the
-same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader (if installed).
+same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader (if installed);
+with `--rounds N` every loader N times, taking turns, each reported by its fastest round.
 `--index-only` measures the index alone; `--worker-memory-index N` worker memory over an epoch of
 N records. It prints numbers only (tables, and `--json PATH`). `--make-synthetic N` first writes
 a cache of realistic sample size (`bench_synthetic`).
@@ -58,6 +59,13 @@ def bench_parser() -> ArgumentParser:
     )
     parser.add_argument("--batches", type=int, default=200, help="Batches timed per run (at most one epoch).")
     parser.add_argument("--warmup", type=int, default=10, help="Batches drawn before the timing starts.")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="Time every loader this many times, taking turns, and report each one's fastest round "
+        "(a noisy machine slows some rounds, never speeds one up).",
+    )
     parser.add_argument("--prefetch-factor", type=int, default=2, help="Batches each worker loads ahead.")
     parser.add_argument(
         "--compare-naive",
@@ -212,6 +220,7 @@ def options_from(args: Namespace) -> BenchOptions:
         num_workers=tuple(workers),
         batches=args.batches,
         warmup=args.warmup,
+        rounds=args.rounds,
         prefetch_factor=args.prefetch_factor,
         compare_naive=args.compare_naive,
         compare_reference=args.compare_reference,

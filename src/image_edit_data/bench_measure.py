@@ -11,7 +11,7 @@ import platform
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,12 @@ class Run:
     seconds: float
     workers: list[dict[str, Any]] = field(default_factory=list)
     load_average_1m: float | None = None  # when the timed batches started
+    round_seconds: tuple[float, ...] = ()  # every round's time, this run's among them (empty: one round)
+
+    def faster(self, other: Run) -> Run:
+        """The faster of two rounds of the same batches, remembering both rounds' times."""
+        rounds = (self.round_seconds or (self.seconds,)) + (other.round_seconds or (other.seconds,))
+        return replace(other if other.seconds < self.seconds else self, round_seconds=rounds)
 
     def to_json(self, memcpy_mb_s: float) -> dict[str, Any]:
         """The run's numbers, with rates and the fraction of the memcpy limit."""
@@ -191,6 +197,7 @@ class Run:
             "memcpy_fraction": mb_s / memcpy_mb_s,
             "workers": self.workers,
             "load_average_1m": self.load_average_1m,
+            "rounds_samples_s": [self.samples / seconds for seconds in self.round_seconds or (self.seconds,)],
         }
 
 

@@ -146,13 +146,17 @@ def index_table(rows: list[dict[str, Any]]) -> Table:
 def loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: dict[str, Any]) -> Table:
     """Throughput of every run, with ratios and worker memory."""
     batches = f"{settings['warmup']} warm-up + {settings['measured_batches']} timed batches"
+    rounds = settings.get("rounds", 1)
+    best = f"; the fastest of {rounds} rounds, loaders taking turns" if rounds > 1 else ""
     table = Table(
-        title=f"Loaders: batch size {settings['batch_size']}, {batches} (of {cache['epoch_batches']} per epoch)",
+        title=f"Loaders: batch size {settings['batch_size']}, {batches} (of {cache['epoch_batches']} per epoch){best}",
         title_justify="left",
     )
     table.add_column("loader")
     for column in ("workers", "samples/s", "MB/s", "of memcpy", "ours/ref", "ours/plain", "ours/bare", "load"):
         table.add_column(column, justify="right")
+    if rounds > 1:
+        table.add_column("slowest round", justify="right")
     table.add_column("worker private memory (USS), start -> end of timed batches")
     for run in runs:
         workers = run["num_workers"]
@@ -166,6 +170,7 @@ def loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: di
             ratio_text(run.get("ours_over_naive")),
             ratio_text(run.get("ours_over_bare")),
             load_text(run.get("load_average_1m")),
+            *([f"{min(run['rounds_samples_s']):,.1f}"] if rounds > 1 else []),
             worker_memory(run["workers"]),
         )
     table.caption = (
@@ -173,6 +178,7 @@ def loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: di
         "over x's at the same worker count; ours, plain and bare read the same batches, the reference its own "
         "sampler's (same bucket, its shuffle), from a .pt copy of each payload when the cache is safetensors; "
         "load: 1-minute load average when the timing started"
+        + ("; slowest round: samples/s of the slowest round" if rounds > 1 else "")
     )
     table.caption_justify = "left"
     return table

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -51,6 +52,7 @@ class BenchOptions:
     num_workers: tuple[int, ...] = (0,)
     batches: int = 200
     warmup: int = 10
+    rounds: int = 1
     prefetch_factor: int = 2
     compare_naive: bool = False
     compare_reference: bool = False
@@ -64,6 +66,7 @@ class BenchOptions:
             ("--batch-size", self.batch_size, 1),
             ("--batches", self.batches, 1),
             ("--warmup", self.warmup, 0),
+            ("--rounds", self.rounds, 1),
             ("--prefetch-factor", self.prefetch_factor, 1),
             ("--memcpy-mib", self.memcpy_mib, 1),
             ("--torch-threads", 1 if self.torch_threads is None else self.torch_threads, 1),
@@ -137,6 +140,9 @@ def run_worker_memory(
     return results
 
 
+Measure = tuple[tuple[str, int | None], str, Callable[[], Run]]  # (loader, workers), what it times, timing
+
+
 def run_loaders(
     cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
 ) -> dict[str, Any]:
@@ -157,27 +163,37 @@ def run_loaders(
     plan = [sampler.batch_for(s).tolist() for s in range(min(len(sampler), options.warmup + options.batches))]
     paths = [str(index.root / index.relative_path(i)) for i in range(len(index))]
     sizes = {i: Path(paths[i]).stat().st_size for batch in plan for i in batch}
-    runs: dict[tuple[str, int | None], Run] = {}
     planned = [paths[i] for i in sizes]  # read once before each run: every loader starts from the page cache
     with step("measuring the page-cache read rate"):
         warm_page_cache(planned)
         results["page_cache"] = page_cache_read_rate(planned)
-    for workers in options.num_workers:
-        with step(f"timing our loader with {workers} workers"):
-            warm_page_cache(planned)
-            loader = loader_config(cache_dir, options, workers).build(**build_args(options)).dataloader
-            runs["ours", workers] = timed_batches("ours", workers, loader, plan, options.warmup, sizes, sample_indices)
+
+    def ours(workers: int) -> Run:
+        warm_page_cache(planned)
+        loader = loader_config(cache_dir, options, workers).build(**build_args(options)).dataloader
+        return timed_batches("ours", workers, loader, plan, options.warmup, sizes, sample_indices)
+
+    def naive(workers: int) -> Run:
+        warm_page_cache(planned)
+        loader = naive_loader(paths, plan, workers, options.prefetch_factor)
+        return timed_batches("naive", workers, loader, plan, options.warmup, sizes)
+
+    def bare() -> Run:
+        warm_page_cache(planned)
+        return bare_loop(paths, plan, options.warmup, sizes)
+
+    measures: list[Measure] = [
+        (("ours", w), f"our loader with {w} workers", partial(ours, w)) for w in options.num_workers
+    ]
     if options.compare_naive:
-        for workers in options.num_workers:
-            with step(f"timing a plain DataLoader with {workers} workers"):
-                warm_page_cache(planned)
-                loader = naive_loader(paths, plan, workers, options.prefetch_factor)
-                runs["naive", workers] = timed_batches("naive", workers, loader, plan, options.warmup, sizes)
-        with step("timing a bare load loop"):
-            warm_page_cache(planned)
-            runs["bare", None] = bare_loop(paths, plan, options.warmup, sizes)
-    if reference is not None:
-        runs.update(reference_runs(index, options, reference, len(plan), step))
+        measures += [
+            (("naive", w), f"a plain DataLoader with {w} workers", partial(naive, w)) for w in options.num_workers
+        ]
+        measures.append((("bare", None), "a bare load loop", bare))
+    with contextlib.ExitStack() as stack:
+        if reference is not None:
+            measures += stack.enter_context(reference_measures(index, options, reference, len(plan), step))
+        runs = fastest_rounds(measures, options.rounds, step)
     results["runs"] = with_ratios(runs, memcpy["mb_s"])
     results["cache"] = {
         **cache_facts(index),
@@ -190,34 +206,50 @@ def run_loaders(
     return results
 
 
-def reference_runs(
+def fastest_rounds(measures: list[Measure], rounds: int, step: Step) -> dict[tuple[str, int | None], Run]:
+    """Each measure `rounds` times, taking turns so that a slow spell of the machine hits all alike; the fastest."""
+    runs: dict[tuple[str, int | None], Run] = {}
+    for round_ in range(rounds):
+        for key, what, measure in measures:
+            with step(f"timing {what}" + (f" (round {round_ + 1} of {rounds})" if rounds > 1 else "")):
+                run = measure()
+            runs[key] = run if key not in runs else runs[key].faster(run)
+    return runs
+
+
+@contextlib.contextmanager
+def reference_measures(
     index: CacheIndex, options: BenchOptions, reference: ModuleType, batches: int, step: Step
-) -> dict[tuple[str, int | None], Run]:
+) -> Iterator[list[Measure]]:
     """The reference's loader at each worker count, on the cache or (safetensors) on a `.pt` twin of it."""
     needs_twin = any(format_of(index.relative_path(i)) != "pt" for i in range(len(index)))
     twin = Path(tempfile.mkdtemp(prefix="image-edit-bench-pt-twin-")) if needs_twin else None
-    runs: dict[tuple[str, int | None], Run] = {}
+    root = twin or index.root
+
+    def timed(workers: int, plan: list[list[int]], sizes: dict[int, int], files: list[Path]) -> Run:
+        warm_page_cache(files)
+        build = build_reference(reference, root, workers, options.prefetch_factor, options.batch_size)
+        return timed_batches("reference", workers, build.dataloader, plan, options.warmup, sizes)
+
     try:
         if twin is not None:
             write_pt_twin_index(index, twin)
+        measures: list[Measure] = []
         for workers in options.num_workers:
-            build = build_reference(reference, twin or index.root, workers, options.prefetch_factor, options.batch_size)
-            # Its own sampler's batches: the same bucket structure, its own shuffle.
+            build = build_reference(reference, root, workers, options.prefetch_factor, options.batch_size)
+            # Its own sampler's batches: the same bucket structure, its own shuffle (the same in every build).
             plan = reference_plan(build.sampler, batches)
             if twin is not None:
                 with step("writing .pt copies of the payloads the reference will read"):
                     convert_payloads(index, twin, sorted({i for batch in plan for i in batch}))
             files = payload_files(build.dataloader.dataset, {i for batch in plan for i in batch})
             sizes = {i: path.stat().st_size for i, path in files.items()}
-            with step(f"timing the reference loader with {workers} workers"):
-                warm_page_cache(files.values())
-                runs["reference", workers] = timed_batches(
-                    "reference", workers, build.dataloader, plan, options.warmup, sizes
-                )
+            what = f"the reference loader with {workers} workers"
+            measures.append((("reference", workers), what, partial(timed, workers, plan, sizes, list(files.values()))))
+        yield measures
     finally:
         if twin is not None:
             shutil.rmtree(twin, ignore_errors=True)
-    return runs
 
 
 def with_ratios(runs: dict[tuple[str, int | None], Run], memcpy_mb_s: float) -> list[dict[str, Any]]:
