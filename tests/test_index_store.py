@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import stat
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from cachefactory import tiny_cache
 
-from image_edit_data import index_store
-from image_edit_data.index import load_index
+from image_edit_data import CacheFormatError, index_store
+from image_edit_data.index import ParsedRecords, load_index
 from image_edit_data.index_store import STORE_DIR, open_index
 
 
@@ -96,3 +97,30 @@ def test_index_memory_is_compact(tmp_path: Path) -> None:
     index = open_index(tiny_cache(tmp_path))
     per_sample = index.nbytes / len(index)
     assert per_sample < 100  # paths of ~27 bytes + ids and counts; no Python object per sample
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_parsing_pauses_the_cycle_collector_and_restores_it_even_on_a_bad_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled_before: bool
+) -> None:
+    root = tiny_cache(tmp_path, shards=2)
+    seen_while_parsing: list[bool] = []
+    add_shard = ParsedRecords.add_shard
+
+    def noting_add_shard(self: ParsedRecords, shard: str, records: list) -> None:
+        seen_while_parsing.append(gc.isenabled())
+        add_shard(self, shard, records)
+
+    monkeypatch.setattr(ParsedRecords, "add_shard", noting_add_shard)
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled_before else gc.disable()
+        load_index(root)
+        assert seen_while_parsing == [False, False] and gc.isenabled() is enabled_before
+        shard = root / "metadata_shard_0001.json"
+        shard.write_text(json.dumps([{"cache_file": "../outside.pt"}]))
+        with pytest.raises(CacheFormatError, match="metadata_shard_0001.json"):
+            load_index(root)
+        assert gc.isenabled() is enabled_before
+    finally:
+        gc.enable() if was else gc.disable()
