@@ -112,9 +112,9 @@ class BatchBuffer:
         The helper thread reads about half the bytes while this thread reads the rest; both copies
         run in the kernel without the GIL. In a worker the other workers already keep the cores busy.
         """
-        helper = None if self.shared else second_reader()
-        total = sum(tensor.nbytes for parts in files for _, _, tensor in parts)
-        if helper is None or len(files) < 2 or total < PARALLEL_READ_MIN_BYTES:
+        big = len(files) > 1 and sum(file_bytes(parts) for parts in files) >= PARALLEL_READ_MIN_BYTES
+        helper = second_reader() if big and not self.shared else None
+        if helper is None:
             self.read_each(files)
             return
         mine, theirs = halves_by_bytes(files)
@@ -179,11 +179,16 @@ def halves_by_bytes(files: Sequence[Sequence[Part]]) -> tuple[list[Sequence[Part
     """Split files into two groups of about equal bytes (largest first, each to the lighter group)."""
     groups: tuple[list[Sequence[Part]], list[Sequence[Part]]] = ([], [])
     loads = [0, 0]
-    for parts in sorted(files, key=lambda p: -sum(tensor.nbytes for _, _, tensor in p)):
+    for nbytes, parts in sorted(((file_bytes(p), p) for p in files), key=lambda sized: -sized[0]):
         lighter = 0 if loads[0] <= loads[1] else 1
         groups[lighter].append(parts)
-        loads[lighter] += sum(tensor.nbytes for _, _, tensor in parts)
+        loads[lighter] += nbytes
     return groups
+
+
+def file_bytes(parts: Sequence[Part]) -> int:
+    """Bytes one file's tensors take."""
+    return sum(tensor.nbytes for _, _, tensor in parts)
 
 
 _READER: tuple[int, ThreadPoolExecutor] | None = None
