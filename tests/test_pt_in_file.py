@@ -17,6 +17,7 @@ from image_edit_data import ImageEditDataset, collate_image_edit
 from image_edit_data.file_tensor import FileTensor
 from image_edit_data.payload import open_payload
 from image_edit_data.pt_in_file import NotAByteRange, file_tensor
+from image_edit_data.pt_structure import direct_unpickling_works, same_structure, structure_on_meta
 from image_edit_data.torch_zip import data_range, stored_data_ranges, zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
@@ -64,14 +65,14 @@ def batch_of_all(root: Path) -> dict[str, Any]:
     return collate_image_edit(dataset.__getitems__(list(range(len(dataset)))))
 
 
-def rewrite_zip(path: Path, compression: int = zipfile.ZIP_STORED, edit: Any = None) -> None:
-    """Rewrite a torch.save zip entry by entry, optionally compressed or with entries edited."""
+def rewrite_zip(path: Path, compression: int = zipfile.ZIP_STORED, edit: Any = None, rename: Any = None) -> None:
+    """Rewrite a torch.save zip entry by entry, optionally compressed or with entries edited or renamed."""
     with zipfile.ZipFile(path) as source:
         entries = [(info.filename, source.read(info.filename)) for info in source.infolist()]
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", compression=compression) as target:
         for name, data in entries:
-            target.writestr(name, edit(name, data) if edit else data)
+            target.writestr(rename(name) if rename else name, edit(name, data) if edit else data)
     path.write_bytes(out.getvalue())
 
 
@@ -103,11 +104,116 @@ def test_payloads_that_are_not_plain_byte_ranges_are_loaded_by_torch_with_the_sa
     if case == "big-endian":
         for path in paths:
             to_big_endian(path)
-    if case == "old torch":  # a torch whose meta loading notes no storage offsets
+    if case == "old torch":  # a torch whose unpickler cannot run alone and whose meta loading notes no offsets
+        monkeypatch.setattr(payload_module, "structure_on_meta", lambda *args: None)
         monkeypatch.setattr(payload_module, "torch_notes_storage_offsets", lambda: False)
     with open_payload(paths[0], "sample 0") as payload:
         assert not any(type(t) is FileTensor for t in cache_tensors(payload.fields))
     assert_batch_holds(batch_of_all(root), items)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["own unpickler call", "torch.load onto meta"])
+def test_both_ways_of_unpickling_the_structure_read_the_same_tensors_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    items = varied_payloads()
+    root = write_cache(tmp_path, items)
+    real_load = torch.load
+    loads: list[Any] = []
+
+    def counted_load(*args: Any, **kwargs: Any) -> Any:
+        loads.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted_load)
+    if not direct:
+        monkeypatch.setattr(payload_module, "structure_on_meta", lambda *args: None)
+    with open_payload(root / "samples" / "sample_00000002.pt", "sample 2") as payload:
+        assert all(type(t) is FileTensor for t in cache_tensors(payload.fields))
+        assert payload.fields["metadata"] == items[2]["metadata"]
+    assert_batch_holds(batch_of_all(root), items)
+    assert (loads == []) is direct  # the direct call never goes through torch.load
+
+
+def test_the_direct_unpickler_call_matches_torch_load_onto_meta(tmp_path: Path) -> None:
+    path = tmp_path / "payload.pt"
+    torch.save(varied_payloads(2)[1], path)
+    expected = torch.load(path, map_location="meta", weights_only=True)
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(descriptor).st_size
+        entries = zip_entries(descriptor, size)
+        assert entries is not None
+        ranges = stored_data_ranges(descriptor, entries, size)
+        assert ranges is not None
+        got = structure_on_meta(descriptor, entries, ranges, size)
+    finally:
+        os.close(descriptor)
+    assert got is not None and direct_unpickling_works()
+    assert same_structure(got, expected) and got["metadata"] == expected["metadata"]
+    offsets = [t.untyped_storage()._checkpoint_offset for t in cache_tensors(got)]
+    assert offsets == [t.untyped_storage()._checkpoint_offset for t in cache_tensors(expected)]
+    assert len(set(offsets)) < len(offsets)  # views of one storage share its offset
+    expected["target_latent"] = expected["target_latent"][1:]  # the comparison notices a different view
+    assert not same_structure(got, expected)
+
+
+class Sneaky:
+    """Pickles as a call to os.system: the weights-only unpickler must refuse it."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, ("touch PWNED",))
+
+
+@pytest.mark.parametrize("case", ["forbidden global", "storage key not in the zip", "not a dict"])
+def test_unusual_or_hostile_pickles_are_left_to_torch_load_and_reported(tmp_path: Path, case: str) -> None:
+    path = tmp_path / "payload.pt"
+    payload: Any = varied_payloads(1)[0]
+    if case == "forbidden global":
+        payload["metadata"]["note"] = Sneaky()
+    if case == "not a dict":
+        payload = [payload["target_latent"]]
+    torch.save(payload, path)
+    if case == "storage key not in the zip":
+        rewrite_zip(path, edit=None, rename=lambda name: name.replace("/data/0", "/data/77"))
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(descriptor).st_size
+        entries = zip_entries(descriptor, size)
+        assert entries is not None
+        ranges = stored_data_ranges(descriptor, entries, size)
+        assert ranges is not None
+        assert structure_on_meta(descriptor, entries, ranges, size) is None
+    finally:
+        os.close(descriptor)
+    message = {
+        "forbidden global": "refused by the weights-only loader",
+        "not a dict": "expected a dict of cache fields, got list",
+    }.get(case, "not a readable torch.save file")
+    with pytest.raises(ValueError, match=f"sample 0.*{message}"):
+        open_payload(path, "sample 0")
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["own unpickler call", "torch.load onto meta"])
+@pytest.mark.parametrize("view", ["contiguous", "transposed"])
+def test_a_storage_longer_than_its_zip_entry_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, view: str
+) -> None:
+    # torch's mapped loading would read the missing bytes from the next zip entry without a word.
+    # data/0 is the storage of the three latents (3 x 4x8x8 float32 = 3072 bytes).
+    path = tmp_path / "payload.pt"
+    payload = varied_payloads(1)[0]
+    if view == "transposed":
+        payload["target_latent"] = payload["target_latent"].transpose(1, 2)
+    torch.save(payload, path)
+    rewrite_zip(path, edit=lambda name, data: data[:-4] if name.endswith("/data/0") else data)
+    if not direct:
+        monkeypatch.setattr(payload_module, "structure_on_meta", lambda *args: None)
+    with pytest.raises(
+        ValueError, match="sample 0: payload: a tensor storage needs 3072 bytes, its zip entry holds 3068"
+    ):
+        open_payload(path, "sample 0")
 
 
 def to_big_endian(path: Path) -> None:
@@ -157,8 +263,10 @@ def test_a_tensor_outside_every_stored_entry_is_not_read_in_place() -> None:
     saved.seek(0)
     meta = torch.load(saved, map_location="meta", weights_only=True)["t"]
     start = meta.untyped_storage()._checkpoint_offset
-    assert file_tensor(meta, 3, [(start, start + 32)], "x").offset == start
-    assert file_tensor(meta[2:], 3, [(start, start + 32)], "x").offset == start + 8
-    for ranges in ([(start, start + 31)], [(start + 1, start + 64)], []):
+    assert file_tensor(meta, 3, {start: start + 32}, "x").offset == start
+    assert file_tensor(meta[2:], 3, {start: start + 32}, "x").offset == start + 8
+    for entry_ends in ({start + 1: start + 64}, {}):
         with pytest.raises(NotAByteRange):
-            file_tensor(meta, 3, ranges, "x")
+            file_tensor(meta, 3, entry_ends, "x")
+    with pytest.raises(ValueError, match="x: payload: a tensor storage needs 32 bytes, its zip entry holds 31"):
+        file_tensor(meta, 3, {start: start + 31}, "x")

@@ -26,6 +26,7 @@ from .errors import fail, show
 from .file_tensor import FileTensor
 from .paths import open_regular
 from .pt_in_file import in_file_fields, torch_notes_storage_offsets
+from .pt_structure import structure_on_meta
 from .safetensors_header import read_header
 from .torch_zip import ZipEntry, stored_data_ranges, zip_entries
 
@@ -105,11 +106,12 @@ def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_resu
 def torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
     """A `torch.save` payload's fields, and whether its tensors are `FileTensor`s of `descriptor`.
 
-    When the layout allows, torch's loader only unpickles the structure (onto the meta device,
-    which notes where each storage lies in the file) and the batch later reads the bytes straight
-    into its own memory, as for safetensors. Otherwise the tensors are mapped from the file (views
-    that are not plain byte ranges) or loaded into memory (compressed entries, the other byte
-    order, another zip layout).
+    When the layout allows, torch's weights-only unpickler builds only the structure (onto the
+    meta device, each storage noting where it lies in the file; run directly by `pt_structure`,
+    else through `torch.load`) and the batch later reads the bytes straight into its own memory,
+    as for safetensors. Otherwise the tensors are mapped from the file (views that are not plain
+    byte ranges) or loaded into memory (compressed entries, the other byte order, another zip
+    layout).
     """
     if size == 0:
         fail(display, "file", "is empty (0 bytes)")
@@ -118,9 +120,11 @@ def torch_save_fields(path: Path | str, descriptor: int, size: int, display: str
     entries = zip_entries(descriptor, size)
     check_zip_expansion(path, entries, size, display)
     ranges = None if entries is None else stored_data_ranges(descriptor, entries, size)
-    if ranges is not None and torch_notes_storage_offsets():
-        structure = from_torch_save(path, display, mapped=False, map_location="meta")
-        fields = in_file_fields(structure, descriptor, ranges, display)
+    if entries is not None and ranges is not None:
+        structure = structure_on_meta(descriptor, entries, ranges, size)
+        if structure is None and torch_notes_storage_offsets():
+            structure = from_torch_save(path, display, mapped=False, map_location="meta")
+        fields = None if structure is None else in_file_fields(structure, descriptor, dict(ranges.values()), display)
         if fields is not None:
             return fields, True
     # torch maps compressed entries as if they were stored (wrong values): map only stored ones.

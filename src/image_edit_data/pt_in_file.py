@@ -1,21 +1,22 @@
 """A `.pt` payload's tensors as `FileTensor`s: read straight from the file into the batch, like safetensors.
 
-Loading onto the meta device, torch's weights-only loader unpickles only the structure and notes
-on each storage where its bytes start in the file (`_checkpoint_offset`). A tensor that is one
-plain byte range inside a stored zip entry becomes a `FileTensor`; anything else (a strided or
-expanded view, a range outside the entries, a tensor outside the cache fields) makes the caller
-load the payload the usual way, so the contract checks see real tensors.
+Unpickled onto the meta device (by `pt_structure`, or by torch's own meta loading), each storage
+notes where its bytes start in the file (`_checkpoint_offset`). A tensor that is one plain byte
+range inside a stored zip entry becomes a `FileTensor`; anything else (a strided or expanded
+view, a storage that is not an entry, a tensor outside the cache fields) makes the caller load
+the payload the usual way, so the contract checks see real tensors.
 """
 
 from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .errors import fail
 from .file_tensor import FileTensor
 
 TENSOR_FIELDS = ("target_latent", "prompt_embeddings", "prompt_attention_mask")
@@ -36,16 +37,16 @@ def torch_notes_storage_offsets() -> bool:
 
 
 def in_file_fields(
-    structure: dict[str, Any], descriptor: int, ranges: Sequence[tuple[int, int]], display: str
+    structure: dict[str, Any], descriptor: int, entry_ends: Mapping[int, int], display: str
 ) -> dict[str, Any] | None:
     """The payload with its cache tensors as `FileTensor`s of `descriptor`, or None if one cannot be.
 
-    `structure` is the payload loaded onto the meta device; `ranges` are the file's stored zip
-    entries, `[start, end)`, and every tensor must lie inside one of them.
+    `structure` is the payload loaded onto the meta device; `entry_ends` maps where each stored
+    data entry of the file starts to where it ends, and every storage must be one of them.
     """
 
     def in_file(value: Any) -> Any:
-        return file_tensor(value, descriptor, ranges, display)
+        return file_tensor(value, descriptor, entry_ends, display)
 
     fields = dict(structure)
     try:
@@ -61,24 +62,30 @@ def in_file_fields(
     return None if holds_tensor(fields) else fields
 
 
-def file_tensor(value: Any, descriptor: int, ranges: Sequence[tuple[int, int]], display: str) -> Any:
-    """A meta tensor as the `FileTensor` of its bytes in the file; anything else but a tensor as it is."""
+def file_tensor(value: Any, descriptor: int, entry_ends: Mapping[int, int], display: str) -> Any:
+    """A meta tensor as the `FileTensor` of its bytes in the file; anything else but a tensor as it is.
+
+    A storage longer than its zip entry is refused here: torch's mapped loading would read past
+    the entry into the next one without a word.
+    """
     if not isinstance(value, torch.Tensor):
         return value  # the contract checks name what it is
-    if value.device.type != "meta" or value.layout != torch.strided or not value.is_contiguous():
+    if value.device.type != "meta" or value.layout != torch.strided:
         raise NotAByteRange
     storage = value.untyped_storage()
     start = getattr(storage, "_checkpoint_offset", None)
-    if not isinstance(start, int):
+    end = entry_ends.get(start) if isinstance(start, int) else None
+    if start is None or end is None:
+        raise NotAByteRange
+    if storage.nbytes() > end - start:
+        fail(display, "payload", f"a tensor storage needs {storage.nbytes()} bytes, its zip entry holds {end - start}")
+    if not value.is_contiguous():
         raise NotAByteRange
     skipped = int(value.storage_offset()) * value.element_size()
     nbytes = value.numel() * value.element_size()
     if nbytes and skipped + nbytes > storage.nbytes():
         raise NotAByteRange
-    offset = start + skipped
-    if not any(begin <= offset and offset + nbytes <= end for begin, end in ranges):
-        raise NotAByteRange
-    return FileTensor(tuple(value.shape), value.dtype, descriptor, offset, nbytes, display)
+    return FileTensor(tuple(value.shape), value.dtype, descriptor, start + skipped, nbytes, display)
 
 
 def holds_tensor(value: Any) -> bool:

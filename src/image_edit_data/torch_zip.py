@@ -69,14 +69,14 @@ def data_range(descriptor: int, entry: ZipEntry, size: int) -> tuple[int, int] |
     return (start, end) if end <= size else None
 
 
-def stored_data_ranges(descriptor: int, entries: list[ZipEntry], size: int) -> list[tuple[int, int]] | None:
-    """Where the tensor data entries (`<archive>/data/<key>`) lie in a torch.save file.
+def stored_data_ranges(descriptor: int, entries: list[ZipEntry], size: int) -> dict[bytes, tuple[int, int]] | None:
+    """Where the tensor data entries (`<archive>/data/<key>`) lie in a torch.save file, by entry name.
 
     None when the tensors cannot be read straight from the file: a data entry is compressed or
     damaged, or they were saved in the other byte order (torch swaps those bytes as it loads them).
     Only these entries and `byteorder` are looked at: one local header read each.
     """
-    ranges = []
+    ranges = {}
     for entry in entries:
         parts = entry.name.rsplit(b"/", 2)
         is_data, is_byteorder = len(parts) == 3 and parts[1] == b"data", parts[-1] == b"byteorder"
@@ -90,5 +90,5 @@ def stored_data_ranges(descriptor: int, entries: list[ZipEntry], size: int) -> l
             if os.pread(descriptor, end - start, start).decode("ascii", "replace") != sys.byteorder:
                 return None
         else:
-            ranges.append(found)
+            ranges[entry.name] = found
     return ranges
