@@ -7,12 +7,15 @@ import importlib.util
 import json
 import math
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from cachefactory import tiny_cache
 
 import image_edit_data.bench_run as bench_run
 from image_edit_data.bench import bench_main
@@ -359,3 +362,15 @@ def test_compare_reference_in_the_index_only_and_worker_memory_modes(
     results, _ = run_json(tmp_path, argv, capsys)
     assert [(e["loader"], e["batches"]) for e in results["epochs"]] == [("ours", 18), ("reference", 18)]
     assert all(len(e["workers"]) == 2 for e in results["epochs"])
+
+
+def test_the_hand_off_script_prints_cpu_per_batch_for_ours_and_for_torch_alone(tmp_path: Path) -> None:
+    cache = tiny_cache(tmp_path / "cache", counts=(100,))  # 25 batches: warm-up and timed batches fit
+    script = Path(__file__).parent.parent / "scripts" / "bench_handoff.py"
+    command = [sys.executable, str(script), str(cache), "--num-workers", "0", "1", "--batches", "5"]
+    printed = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300).stdout
+    labels = [line.split(" wall ")[0].strip() for line in printed.splitlines()]
+    assert labels == ["ours, 0 workers", "ours, 1 workers", "torch's hand-off alone, 1 workers"]
+    for line in printed.splitlines():
+        numbers = re.findall(r"(\d+\.\d+) ms", line)
+        assert len(numbers) == 3 and float(numbers[0]) > 0

@@ -75,7 +75,7 @@ def file_tensor(value: Any, descriptor: int, entry_ends: Mapping[int, int], disp
     storage = value.untyped_storage()
     start = getattr(storage, "_checkpoint_offset", None)
     end = entry_ends.get(start) if isinstance(start, int) else None
-    if start is None or end is None:
+    if end is None:
         raise NotAByteRange
     if storage.nbytes() > end - start:
         fail(display, "payload", f"a tensor storage needs {storage.nbytes()} bytes, its zip entry holds {end - start}")

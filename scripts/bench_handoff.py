@@ -1,0 +1,89 @@
+"""CPU time per batch in the training process and in the workers: `python scripts/bench_handoff.py CACHE`.
+
+Shows what handing batches from workers to the training process costs on this machine: our
+loader on CACHE at each worker count, then torch's own hand-off alone (a StatefulDataLoader over
+a dataset that returns an empty batch). Linux only (reads workers' CPU time from /proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from image_edit_data import ImageEditDataloaderConfig
+
+
+class EmptyBatches(Dataset):
+    """Batches holding only their sample indices: what is left is the DataLoader's own cost."""
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitems__(self, indices: list[int]) -> dict[str, Any]:
+        return {"metadata": {"sample_indices": list(indices)}}
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's live children."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def per_batch(label: str, batches: Iterator[Any], count: int, warmup: int = 10) -> None:
+    """Print wall time and CPU time per batch (training process, workers) over `count` batches."""
+    for _ in range(warmup):
+        next(batches)
+    workers_before, main_before, start = children_cpu_seconds(), time.process_time(), time.perf_counter()
+    for _ in range(count):
+        next(batches)
+    wall = time.perf_counter() - start
+    main = time.process_time() - main_before
+    workers = children_cpu_seconds() - workers_before
+    print(
+        f"{label:<40} wall {wall / count * 1e3:6.2f} ms  training process {main / count * 1e3:5.2f} ms  "
+        f"workers {workers / count * 1e3:5.2f} ms  (per batch, {count} batches)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("cache")
+    parser.add_argument("--num-workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=300)
+    args = parser.parse_args()
+    for workers in args.num_workers:
+        config = ImageEditDataloaderConfig(cache_dir=args.cache, num_workers=workers)
+        build = {"dp_rank": 0, "dp_world_size": 1, "batch_size": args.batch_size}
+        warm = iter(config.build(**build).dataloader)  # the same batches once first: read from the page cache
+        for _ in range(args.batches + 10):
+            next(warm)
+        del warm
+        per_batch(f"ours, {workers} workers", iter(config.build(**build).dataloader), args.batches)
+    for workers in [w for w in args.num_workers if w > 0]:
+        plan = [list(range(i * args.batch_size, (i + 1) * args.batch_size)) for i in range(args.batches + 20)]
+        empty = StatefulDataLoader(
+            EmptyBatches(), batch_sampler=plan, collate_fn=lambda batch: batch, num_workers=workers
+        )
+        per_batch(f"torch's hand-off alone, {workers} workers", iter(empty), args.batches)
+
+
+if __name__ == "__main__":
+    main()
