@@ -2,7 +2,9 @@
 
 Shows what handing batches from workers to the training process costs on this machine: our
 loader on CACHE at each worker count, then torch's own hand-off alone (a StatefulDataLoader over
-a dataset that returns an empty batch). Linux only (reads workers' CPU time from /proc).
+a dataset that returns an empty batch). The workers' time is split between their main threads,
+which load the batches, and their other threads (the result queue's feeder thread). Linux only
+(reads the workers' CPU time from /proc).
 """
 
 from __future__ import annotations
@@ -29,21 +31,38 @@ class EmptyBatches(Dataset):
         return {"metadata": {"sample_indices": list(indices)}}
 
 
-def children_cpu_seconds() -> float:
-    """User + system CPU seconds of this process's live children."""
+def children_cpu_seconds() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process's live children: their main threads, their other threads."""
     ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    main_threads = other_threads = 0.0
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or parent_of(entry) != os.getpid():
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid():
-            total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+        for thread in os.listdir(f"/proc/{entry}/task"):
+            fields = stat_fields(f"/proc/{entry}/task/{thread}/stat")
+            if fields is None:
+                continue
+            seconds = (int(fields[11]) + int(fields[12])) / ticks
+            if thread == entry:
+                main_threads += seconds
+            else:
+                other_threads += seconds
+    return main_threads, other_threads
+
+
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc stat file after the command name, or None if the process is gone."""
+    try:
+        with open(path) as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def parent_of(pid: str) -> int | None:
+    """The parent process id of `pid`, or None if it is gone."""
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return None if fields is None else int(fields[1])
 
 
 def per_batch(label: str, batches: Iterator[Any], count: int, warmup: int = 10) -> None:
@@ -55,10 +74,12 @@ def per_batch(label: str, batches: Iterator[Any], count: int, warmup: int = 10) 
         next(batches)
     wall = time.perf_counter() - start
     main = time.process_time() - main_before
-    workers = children_cpu_seconds() - workers_before
+    workers_after = children_cpu_seconds()
+    worker_main, worker_other = (after - before for after, before in zip(workers_after, workers_before))
     print(
-        f"{label:<40} wall {wall / count * 1e3:6.2f} ms  training process {main / count * 1e3:5.2f} ms  "
-        f"workers {workers / count * 1e3:5.2f} ms  (per batch, {count} batches)"
+        f"{label:<40} wall {wall / count * 1e3:5.2f} ms  training process {main / count * 1e3:5.2f} ms  "
+        f"workers {(worker_main + worker_other) / count * 1e3:5.2f} ms (main threads "
+        f"{worker_main / count * 1e3:5.2f}, other threads {worker_other / count * 1e3:5.2f})  per batch"
     )
 
 
