@@ -135,10 +135,8 @@ def test_both_ways_of_unpickling_the_structure_read_the_same_tensors_in_place(
     assert (loads == []) is direct  # the direct call never goes through torch.load
 
 
-def test_the_direct_unpickler_call_matches_torch_load_onto_meta(tmp_path: Path) -> None:
-    path = tmp_path / "payload.pt"
-    torch.save(varied_payloads(2)[1], path)
-    expected = torch.load(path, map_location="meta", weights_only=True)
+def direct_structure(path: Path) -> dict[str, Any] | None:
+    """`structure_on_meta` of a saved file, whose zip layout must be the plain one."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(descriptor).st_size
@@ -146,9 +144,16 @@ def test_the_direct_unpickler_call_matches_torch_load_onto_meta(tmp_path: Path) 
         assert entries is not None
         ranges = stored_data_ranges(descriptor, entries, size)
         assert ranges is not None
-        got = structure_on_meta(descriptor, entries, ranges, size)
+        return structure_on_meta(descriptor, entries, ranges, size)
     finally:
         os.close(descriptor)
+
+
+def test_the_direct_unpickler_call_matches_torch_load_onto_meta(tmp_path: Path) -> None:
+    path = tmp_path / "payload.pt"
+    torch.save(varied_payloads(2)[1], path)
+    expected = torch.load(path, map_location="meta", weights_only=True)
+    got = direct_structure(path)
     assert got is not None and direct_unpickling_works()
     assert same_structure(got, expected) and got["metadata"] == expected["metadata"]
     offsets = [t.untyped_storage()._checkpoint_offset for t in cache_tensors(got)]
@@ -176,16 +181,7 @@ def test_unusual_or_hostile_pickles_are_left_to_torch_load_and_reported(tmp_path
     torch.save(payload, path)
     if case == "storage key not in the zip":
         rewrite_zip(path, edit=None, rename=lambda name: name.replace("/data/0", "/data/77"))
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(descriptor).st_size
-        entries = zip_entries(descriptor, size)
-        assert entries is not None
-        ranges = stored_data_ranges(descriptor, entries, size)
-        assert ranges is not None
-        assert structure_on_meta(descriptor, entries, ranges, size) is None
-    finally:
-        os.close(descriptor)
+    assert direct_structure(path) is None
     message = {
         "forbidden global": "refused by the weights-only loader",
         "not a dict": "expected a dict of cache fields, got list",
