@@ -74,8 +74,7 @@ def file_tensor(value: Any, descriptor: int, entry_ends: Mapping[int, int], disp
         raise NotAByteRange
     storage = value.untyped_storage()
     start = getattr(storage, "_checkpoint_offset", None)
-    end = entry_ends.get(start) if isinstance(start, int) else None
-    if end is None:
+    if not isinstance(start, int) or (end := entry_ends.get(start)) is None:
         raise NotAByteRange
     if storage.nbytes() > end - start:
         fail(display, "payload", f"a tensor storage needs {storage.nbytes()} bytes, its zip entry holds {end - start}")
