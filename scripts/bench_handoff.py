@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from image_edit_data import ImageEditDataloaderConfig
+from image_edit_data.bench_measure import read_proc, worker_pids
 
 
 class EmptyBatches(Dataset):
@@ -31,50 +32,35 @@ class EmptyBatches(Dataset):
         return {"metadata": {"sample_indices": list(indices)}}
 
 
-def children_cpu_seconds() -> tuple[float, float]:
-    """CPU seconds (user + system) of this process's live children: their main threads, their other threads."""
+def workers_cpu_seconds(pids: list[int]) -> tuple[float, float]:
+    """CPU seconds (user + system) of the worker processes `pids`: their main threads, their other threads."""
     ticks = os.sysconf("SC_CLK_TCK")
     main_threads = other_threads = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or parent_of(entry) != os.getpid():
-            continue
-        for thread in os.listdir(f"/proc/{entry}/task"):
-            fields = stat_fields(f"/proc/{entry}/task/{thread}/stat")
-            if fields is None:
+    for pid in pids:
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            text = read_proc(f"/proc/{pid}/task/{thread}/stat")
+            if text is None:  # the thread has ended
                 continue
+            fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
             seconds = (int(fields[11]) + int(fields[12])) / ticks
-            if thread == entry:
+            if thread == str(pid):
                 main_threads += seconds
             else:
                 other_threads += seconds
     return main_threads, other_threads
 
 
-def stat_fields(path: str) -> list[str] | None:
-    """The fields of a /proc stat file after the command name, or None if the process is gone."""
-    try:
-        with open(path) as handle:
-            return handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def parent_of(pid: str) -> int | None:
-    """The parent process id of `pid`, or None if it is gone."""
-    fields = stat_fields(f"/proc/{pid}/stat")
-    return None if fields is None else int(fields[1])
-
-
 def per_batch(label: str, batches: Iterator[Any], count: int, warmup: int = 10) -> None:
     """Print wall time and CPU time per batch (training process, workers) over `count` batches."""
     for _ in range(warmup):
         next(batches)
-    workers_before, main_before, start = children_cpu_seconds(), time.process_time(), time.perf_counter()
+    pids = worker_pids(batches)
+    workers_before, main_before, start = workers_cpu_seconds(pids), time.process_time(), time.perf_counter()
     for _ in range(count):
         next(batches)
     wall = time.perf_counter() - start
     main = time.process_time() - main_before
-    workers_after = children_cpu_seconds()
+    workers_after = workers_cpu_seconds(pids)
     worker_main, worker_other = (after - before for after, before in zip(workers_after, workers_before))
     print(
         f"{label:<40} wall {wall / count * 1e3:5.2f} ms  training process {main / count * 1e3:5.2f} ms  "
