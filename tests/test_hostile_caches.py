@@ -838,6 +838,47 @@ def test_a_billion_laughs_metadata_value_is_refused(tmp_path: Path) -> None:
         load_first(root)
 
 
+def nested(depth: int, leaf: object = 1) -> object:
+    """`depth` levels of containers (a dict, then lists) around `leaf`: `bounded` counts the outer value as level 1."""
+    value = leaf
+    for _ in range(depth - 2):
+        value = [value]
+    return {"k": value}
+
+
+def nested_tuple(depth: int) -> tuple[object, ...]:
+    """`depth` levels of tuples around 1 (hashable, so it can be a dict key)."""
+    value: tuple[object, ...] = (1,)
+    for _ in range(depth - 1):
+        value = ("a", value)
+    return value
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (nested(32), None),
+        (nested(33), "nests deeper than 32 levels"),
+        ({nested_tuple(31): 1}, "nests deeper than 32 levels"),  # nesting inside a tuple key counts
+        ({nested_tuple(30): 1}, None),
+        ({frozenset({1, 2}): [1] * 10}, None),
+        ({"k": [0] * 99_997}, None),  # 1 + 2 + 99,997 = 100,000 values counted
+        ({"k": [0] * 99_998}, "holds more than 100000 values"),
+        ({"k": [0] * 99_997, 7: 1}, "holds more than 100000 values"),
+        ({"k": {(i, i) for i in range(50_000)}}, "holds more than 100000 values"),  # tuples in a set
+        (nested(40, leaf=[]), "nests deeper than 32 levels"),
+    ],
+)
+def test_metadata_bounds_count_every_container_kind(value: object, problem: str | None) -> None:
+    from image_edit_data.validate import bounded
+
+    if problem is None:
+        bounded(value, "f.safetensors", "metadata")
+        return
+    with pytest.raises(CacheFormatError, match=f"^f.safetensors: metadata: {problem}$"):
+        bounded(value, "f.safetensors", "metadata")
+
+
 @contextmanager
 def address_space_cap(headroom: int) -> Iterator[None]:
     """Cap this process's address space at its current size plus `headroom`; the soft limit is restored after."""

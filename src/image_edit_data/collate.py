@@ -59,20 +59,20 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
     """The batch's tensors, after checking that every sample has the same compound signature."""
     first = samples[0]
-    check_same(samples, lambda s: described(s["target_latent"]), "target_latent shape/dtype")
+    check_same(samples, lambda s: form(s["target_latent"]), "target_latent shape/dtype", shown_form)
     check_same(
         samples,
-        lambda s: ", ".join(described(c) for c in s["context_latents"]),
+        lambda s: tuple(form(c) for c in s["context_latents"]),
         "ordered context_latents shapes/dtypes",
+        lambda forms: ", ".join(shown_form(f) for f in forms),
     )
     check_same(
         samples,
-        lambda s: f"{s['prompt_embeddings'].shape[1]} {str(s['prompt_embeddings'].dtype).removeprefix('torch.')}",
+        lambda s: (s["prompt_embeddings"].shape[1], s["prompt_embeddings"].dtype),
         "prompt hidden size/dtype",
+        lambda hidden: f"{hidden[0]} {dtype_name(hidden[1])}",
     )
-    check_same(
-        samples, lambda s: str(s["prompt_attention_mask"].dtype).removeprefix("torch."), "prompt_attention_mask dtype"
-    )
+    check_same(samples, lambda s: s["prompt_attention_mask"].dtype, "prompt_attention_mask dtype", dtype_name)
     names = sorted(first["conditioning_tensors"])
     for i, sample in enumerate(samples[1:], start=1):
         if sorted(sample["conditioning_tensors"]) != names:
@@ -83,8 +83,9 @@ def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
     for name in names:
         check_same(
             samples,
-            lambda s, n=name: described(s["conditioning_tensors"][n]),
+            lambda s, n=name: form(s["conditioning_tensors"][n]),
             f"conditioning tensor {name!r} shape/dtype",
+            shown_form,
         )
     size = len(samples)
     longest = max(s["prompt_embeddings"].shape[0] for s in samples)
@@ -100,9 +101,20 @@ def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
     ]
 
 
-def described(tensor: Source) -> str:
-    """Shape and dtype (`[4, 8, 8] float32`), for comparing samples and for error messages."""
-    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+def form(tensor: Source) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype, for comparing samples (formatted only for an error message)."""
+    return tuple(tensor.shape), tensor.dtype
+
+
+def shown_form(shape_and_dtype: tuple[tuple[int, ...], torch.dtype]) -> str:
+    """A `form` as an error message shows it: `[4, 8, 8] float32`."""
+    shape, dtype = shape_and_dtype
+    return f"{list(shape)} {dtype_name(dtype)}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32` for `torch.float32`."""
+    return str(dtype).removeprefix("torch.")
 
 
 def stacked(key: str, name: str | int | None, sources: list[Source]) -> Field:
@@ -110,15 +122,16 @@ def stacked(key: str, name: str | int | None, sources: list[Source]) -> Field:
     return Field(key, name, (len(sources), *sources[0].shape), sources[0].dtype, sources)
 
 
-def check_same(samples: Sequence[dict[str, Any]], key: Any, what: str) -> None:
-    """Refuse a batch whose samples disagree on `key` (one compound signature per batch)."""
+def check_same(samples: Sequence[dict[str, Any]], key: Any, what: str, shown: Any) -> None:
+    """Refuse a batch whose samples disagree on `key` (one compound signature per batch); `shown` formats a key."""
     values = [key(s) for s in samples]
-    if any(v != values[0] for v in values[1:]):
-        differing = next(i for i, v in enumerate(values) if v != values[0])
-        raise ValueError(
-            f"a batch must hold one compound signature: {what} of sample {differing} is {values[differing]}, "
-            f"sample 0 has {values[0]}"
-        )
+    first = values[0]
+    for differing, value in enumerate(values):
+        if value != first:
+            raise ValueError(
+                f"a batch must hold one compound signature: {what} of sample {differing} is {shown(value)}, "
+                f"sample 0 has {shown(first)}"
+            )
 
 
 def layout(fields: Sequence[Field]) -> tuple[list[int], int]:

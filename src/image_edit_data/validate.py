@@ -151,25 +151,29 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
     }
 
 
-SCALARS = (str, int, float, bool, type(None))
+SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
 
 
 def bounded(value: object, file: str, field: str) -> None:
     """Refuse a nested value deeper than MAX_METADATA_DEPTH or holding more than MAX_METADATA_VALUES values.
 
-    Only containers are walked; scalars are counted where they sit (this runs for every sample).
+    Only containers are walked; scalars are counted where they sit (this runs for every sample,
+    so the common JSON shapes, dicts with string keys and lists, take the short paths).
     """
-    stack: list[tuple[object, int]] = [(value, 1)]
     count = 1
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    push, pop = stack.append, stack.pop
     while stack:
-        item, depth = stack.pop()
+        item, depth = pop()
         kind = type(item)
-        if kind is dict:  # JSON and most pickled metadata: string keys, checked without abc
-            children: list[object] = list(item.values())  # type: ignore[attr-defined]
-            children += [key for key in item if type(key) is not str]  # type: ignore[attr-defined]
-            size = 2 * len(item)  # type: ignore[arg-type]
+        odd_keys = False
+        children: Any
+        if kind is dict:
+            size = 2 * len(item)
+            children = item.values()
+            odd_keys = not SCALAR_TYPES.issuperset(map(type, item))  # e.g. tuple keys of pickled metadata
         elif kind is list:
-            children, size = item, len(item)  # type: ignore[assignment,arg-type]
+            size, children = len(item), item
         elif isinstance(item, Mapping):
             children = [*item.keys(), *item.values()]
             size = len(children)
@@ -180,12 +184,18 @@ def bounded(value: object, file: str, field: str) -> None:
             continue
         if not size:
             continue
-        if depth + 1 > MAX_METADATA_DEPTH:
+        if depth >= MAX_METADATA_DEPTH:
             fail(file, field, f"nests deeper than {MAX_METADATA_DEPTH} levels")
         count += size
         if count > MAX_METADATA_VALUES:
             fail(file, field, f"holds more than {MAX_METADATA_VALUES} values")
-        stack.extend([(child, depth + 1) for child in children if type(child) not in SCALARS])
+        for child in children:
+            if type(child) not in SCALAR_TYPES:
+                push((child, depth + 1))
+        if odd_keys:
+            for key in item:
+                if type(key) not in SCALAR_TYPES:
+                    push((key, depth + 1))
 
 
 def sample_metadata(
