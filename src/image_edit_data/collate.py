@@ -10,8 +10,8 @@ shared-memory hand-off per tensor.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch.utils.data import get_worker_info
@@ -22,6 +22,7 @@ from .shared_batch import SharedBatch
 
 ALIGNMENT = 64  # every batch tensor starts on a cache line, so typed views of the buffer are aligned
 Source = torch.Tensor | FileTensor
+Key = TypeVar("Key")
 
 
 class Field(NamedTuple):
@@ -81,12 +82,7 @@ def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
                 f"{sorted(sample['conditioning_tensors'])}, sample 0 has {names}"
             )
     for name in names:
-        check_same(
-            samples,
-            lambda s, n=name: form(s["conditioning_tensors"][n]),
-            f"conditioning tensor {name!r} shape/dtype",
-            shown_form,
-        )
+        check_same(samples, conditioning_form(name), f"conditioning tensor {name!r} shape/dtype", shown_form)
     size = len(samples)
     longest = max(s["prompt_embeddings"].shape[0] for s in samples)
     embeddings = [s["prompt_embeddings"] for s in samples]
@@ -106,6 +102,11 @@ def form(tensor: Source) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(tensor.shape), tensor.dtype
 
 
+def conditioning_form(name: str) -> Callable[[dict[str, Any]], tuple[tuple[int, ...], torch.dtype]]:
+    """A sample's `form` of its conditioning tensor `name`."""
+    return lambda sample: form(sample["conditioning_tensors"][name])
+
+
 def shown_form(shape_and_dtype: tuple[tuple[int, ...], torch.dtype]) -> str:
     """A `form` as an error message shows it: `[4, 8, 8] float32`."""
     shape, dtype = shape_and_dtype
@@ -122,7 +123,9 @@ def stacked(key: str, name: str | int | None, sources: list[Source]) -> Field:
     return Field(key, name, (len(sources), *sources[0].shape), sources[0].dtype, sources)
 
 
-def check_same(samples: Sequence[dict[str, Any]], key: Any, what: str, shown: Any) -> None:
+def check_same(
+    samples: Sequence[dict[str, Any]], key: Callable[[dict[str, Any]], Key], what: str, shown: Callable[[Key], str]
+) -> None:
     """Refuse a batch whose samples disagree on `key` (one compound signature per batch); `shown` formats a key."""
     values = [key(s) for s in samples]
     first = values[0]
