@@ -77,3 +77,25 @@ def test_mismatched_conditioning_names_and_shapes_are_refused() -> None:
 def test_empty_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="empty batch"):
         collate_image_edit([])
+
+
+def test_a_mixed_batch_error_shows_both_samples_values_in_full() -> None:
+    base = sample(0, contexts=((4, 8, 8), (4, 4, 4)))
+    swapped = sample(1, contexts=((4, 4, 4), (4, 8, 8)))
+    expected = (
+        "a batch must hold one compound signature: ordered context_latents shapes/dtypes of sample 2 is "
+        "[4, 4, 4] float32, [4, 8, 8] float32, sample 0 has [4, 8, 8] float32, [4, 4, 4] float32"
+    )
+    with pytest.raises(ValueError) as refused:
+        collate_image_edit([base, base, swapped])
+    assert str(refused.value) == expected
+
+    wide = sample(1) | {"prompt_embeddings": torch.zeros(4, 7)}
+    with pytest.raises(ValueError) as refused:
+        collate_image_edit([sample(0), wide])
+    assert str(refused.value).endswith("prompt hidden size/dtype of sample 1 is 7 float32, sample 0 has 6 float32")
+
+    int_mask = sample(1) | {"prompt_attention_mask": torch.ones(4, dtype=torch.int32)}
+    with pytest.raises(ValueError) as refused:
+        collate_image_edit([sample(0), int_mask])
+    assert str(refused.value).endswith("prompt_attention_mask dtype of sample 1 is int32, sample 0 has int64")
