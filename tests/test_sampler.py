@@ -135,12 +135,43 @@ def test_state_dict_is_a_fresh_dict_each_time() -> None:
     assert state["consumed"] == 0 and s.state_dict()["consumed"] == 1
 
 
-def test_loading_a_finished_epoch_moves_to_the_next() -> None:
+def test_a_finished_epoch_loaded_continues_empty_with_its_own_epoch_and_fresh_with_the_next() -> None:
     (s,) = ranks([8], 1, 2)
-    state = s.state_dict() | {"consumed": 4}
+    s.set_epoch(1)
+    second_epoch = list(s)
+    finished = s.state_dict() | {"epoch": 0, "consumed": 4}
     (t,) = ranks([8], 1, 2)
+    t.load_state_dict(finished)
+    t.set_epoch(0)
+    assert list(t) == []
+    t.set_epoch(1)
+    assert list(t) == second_epoch
+    (u,) = ranks([8], 1, 2)
+    u.load_state_dict(finished)
+    assert [list(u), list(u)] == [[], second_epoch]  # no set_epoch: the rest of epoch 0, then epoch 1
+
+
+def test_set_epoch_named_before_load_state_dict_is_honoured() -> None:
+    (s,) = ranks([20], 1, 2)
+    s.set_epoch(2)
+    full = list(s)
+    state = s.state_dict() | {"epoch": 2, "consumed": 3}
+    (t,) = ranks([20], 1, 2)
+    t.set_epoch(2)
     t.load_state_dict(state)
-    assert (t.epoch, t.consumed) == (1, 0)
+    assert list(t) == full[3:]
+    (u,) = ranks([20], 1, 2)
+    u.set_epoch(3)
+    u.load_state_dict(state)
+    assert u.epoch == 3 and u.consumed == 0
+
+
+def test_a_set_epoch_older_than_the_last_iteration_does_not_override_a_loaded_state() -> None:
+    (s,) = ranks([20], 1, 2)
+    s.set_epoch(5)
+    next(iter(s))
+    s.load_state_dict(s.state_dict() | {"epoch": 2, "consumed": 3})
+    assert (s.epoch, s.consumed) == (2, 3)
 
 
 def test_changed_config_is_refused_naming_each_change() -> None:

@@ -168,6 +168,9 @@ class ImageEditDataModule(pl.LightningDataModule):
         """Apply a checkpointed position, or restart the epoch when the user chose to reshuffle."""
         try:
             sampler.load_state_dict(state)
+            if sampler.epoch_finished:
+                # Lightning moves on to the next epoch without a new iterator, so start it here.
+                sampler.advance_epoch(sampler.epoch + 1)
         except ResumeMismatchError as error:
             if self.on_resume_mismatch == "raise":
                 raise ResumeMismatchError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -15,10 +16,49 @@ from .corrupt import CorruptPolicy
 from .dataset import ImageEditDataset
 from .index_store import STORE_DIR
 from .plan import BucketOrder
-from .sampler import BucketBatchSampler, EvalBatchSampler, check_rank
+from .sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError, check_rank
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+
+
+class ResumableDataLoader(StatefulDataLoader):
+    """A StatefulDataLoader whose saved state resumes through our sampler alone.
+
+    `state_dict()` is torchdata's. `load_state_dict()` takes the sampler's position out of it and
+    restores the sampler at once; torchdata is handed no state. Our dataset and collate keep no
+    state of their own, so the sampler's position is the whole resume state, and this way a state
+    saved with any `num_workers` loads into a loader with any other, and a state saved at an
+    epoch's end cannot leave torchdata replaying or skipping prefetched batches.
+    """
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the sampler from a state this loader class saved (with any `num_workers`)."""
+        super().load_state_dict({})  # drop any live iterator; the next iter() starts from the sampler
+        if state_dict:
+            self.batch_sampler.load_state_dict(sampler_state_of(state_dict))
+
+
+def sampler_state_of(loader_state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The batch sampler's state inside a torchdata loader state (taken with or without workers)."""
+    if not isinstance(loader_state, Mapping):
+        raise ResumeMismatchError(f"cannot resume: a loader state is a dict, got {type(loader_state).__name__}")
+    if "_snapshot" in loader_state:  # saved with workers: the snapshot of the last batch handed out
+        if loader_state.get("_steps_since_snapshot", 0) != 0:
+            raise ResumeMismatchError(
+                "cannot resume: the loader state was saved between torchdata snapshots "
+                f"({loader_state['_steps_since_snapshot']} steps after one); save it from a loader built by "
+                "ImageEditDataloaderConfig.build(), which snapshots every batch"
+            )
+        state = loader_state["_snapshot"].get("_main_snapshot", {}).get("_index_sampler_state")
+    else:  # saved without workers
+        state = loader_state.get("_index_sampler_state")
+    if state is None:
+        raise ResumeMismatchError(
+            "cannot resume: not the state_dict() of an image-edit-data loader (no sampler state in keys "
+            f"{sorted(loader_state)}); pass what built.dataloader.state_dict() returned"
+        )
+    return state
 
 
 class DiffusionDataloaderBuild(NamedTuple):
@@ -147,7 +187,7 @@ class ImageEditDataloaderConfig:
         workers: dict[str, Any] = {}
         if self.num_workers > 0:
             workers = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}
-        loader = StatefulDataLoader(
+        loader = ResumableDataLoader(
             dataset,
             batch_sampler=sampler,
             collate_fn=collate_image_edit,

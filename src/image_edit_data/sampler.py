@@ -5,6 +5,12 @@ State is `{"version", "epoch", "consumed", "history", "fingerprint"}`, identical
 out so far, including those of earlier world sizes listed in `history`. It counts what this sampler handed
 out in the current epoch; torchdata snapshots it per batch, so prefetching workers never make a
 resume skip batches that training did not see.
+
+Epochs after a restore: `set_epoch(e)` with the restored epoch continues it where it stopped (an
+epoch restored at its end has nothing left), any other `e` starts `e` from its first batch, and
+the order of `load_state_dict` and `set_epoch` does not matter as long as both come before the
+next iteration. Without `set_epoch`, an iteration after one that ran its epoch to the end starts
+the next epoch.
 """
 
 from __future__ import annotations
@@ -85,6 +91,11 @@ class BucketBatchSampler:
         self.epoch = epoch
         self.consumed = 0
         self.history: list[tuple[int, int]] = []
+        # Set by an iteration that ran the epoch to its end; the next iteration then starts the next epoch.
+        self._ran_to_end = False
+        # The epoch named by `set_epoch` since the last iteration began (None: none named). A state
+        # loaded after it still honours it, since torchdata applies loader state only at `iter()`.
+        self._requested_epoch: int | None = None
         self._plan_key: tuple[Any, ...] | None = None
         self._plan: EpochPlan | None = None
 
@@ -127,13 +138,15 @@ class BucketBatchSampler:
         return steps if self.max_batches is None else min(steps, self.max_batches)
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.consumed >= len(self):
+        self._requested_epoch = None
+        if self._ran_to_end:
             self.advance_epoch(self.epoch + 1)  # the last epoch ran to its end and nobody called set_epoch
         total = len(self)
         while self.consumed < total:
             batch = PlannedBatch(self.batch_for(self.consumed).tolist(), self.epoch, self.consumed)
             self.consumed += 1
             yield batch
+        self._ran_to_end = True
 
     def batch_for(self, step: int) -> np.ndarray:
         """This rank's `step`-th batch of the current epoch."""
@@ -142,9 +155,12 @@ class BucketBatchSampler:
     def advance_epoch(self, epoch: int) -> None:
         """Start `epoch` from its first batch."""
         self.epoch, self.consumed, self.history = epoch, 0, []
+        self._ran_to_end = False
 
     def set_epoch(self, epoch: int) -> None:
-        """Move to `epoch`; keeps a restored mid-epoch position when `epoch` is the current one."""
+        """Make the next iteration epoch `epoch`: the current epoch continues where it stopped, another starts fresh."""
+        self._requested_epoch = epoch
+        self._ran_to_end = False
         if epoch != self.epoch:
             self.advance_epoch(epoch)
 
@@ -190,11 +206,17 @@ class BucketBatchSampler:
         self.epoch = int(state["epoch"])
         self.history = [(int(w), int(c)) for w, c in state["history"]]
         self.consumed = int(state["consumed"])
+        self._ran_to_end = False
         if saved.get("world_size") != self.world_size:
             # The epoch was planned for the old ranks: keep that plan's samples, deal the rest anew.
             self.history.append((int(saved["world_size"]), self.consumed - self.segment_start))
-        if self.consumed >= len(self):
-            self.advance_epoch(self.epoch + 1)
+        if self._requested_epoch is not None and self._requested_epoch != self.epoch:
+            self.advance_epoch(self._requested_epoch)
+
+    @property
+    def epoch_finished(self) -> bool:
+        """Whether every batch of the current epoch was handed out."""
+        return self.consumed >= len(self)
 
 
 class EvalBatchSampler(BucketBatchSampler):
