@@ -10,6 +10,8 @@ every --ckpt-every steps. Three ways to die, all without a clean shutdown:
     --die-while-saving-step k   the step-k save leaves half a checkpoint file at its path, then os._exit(18)
     --pause-at-step k           every rank records its step-k batch, touches OUT/paused.rank{r} and sleeps,
                                 for the caller to SIGKILL the process group
+In-process (`fit(FitOptions(..., in_process=True))`, one device only) the kill after a checkpoint
+raises `SimulatedKill` instead, which unwinds through Lightning's exception handling like a crash.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from image_edit_data.datamodule import ImageEditDataModule
+from image_edit_data import BucketBatchSampler, ImageEditDataModule, ImageEditDataset
 
 KILLED_AFTER_CHECKPOINT = 17
 DIED_WHILE_SAVING = 18
@@ -55,20 +58,33 @@ class RecordingModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class SimulatedKill(Exception):
+    """Raised in place of `os._exit` when the harness runs inside the test process."""
+
+
 class KillAfterCheckpoint(ModelCheckpoint):
     """Saves every `every_n_train_steps`; dies hard right after the save at `kill_at_step`, or halfway
     through the save at `die_while_saving_step`."""
 
-    def __init__(self, kill_at_step: int | None, die_while_saving_step: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        kill_at_step: int | None,
+        die_while_saving_step: int | None = None,
+        in_process: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.kill_at_step = kill_at_step
         self.die_while_saving_step = die_while_saving_step
+        self.in_process = in_process
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         if trainer.global_step == self.die_while_saving_step:
             self.die_while_saving(trainer, filepath)
         super()._save_checkpoint(trainer, filepath)
         if trainer.global_step == self.kill_at_step:
+            if self.in_process:
+                raise SimulatedKill(f"killed after the step-{self.kill_at_step} checkpoint")
             trainer.strategy.barrier("killed")
             os._exit(KILLED_AFTER_CHECKPOINT)
 
@@ -91,51 +107,75 @@ class KillAfterCheckpoint(ModelCheckpoint):
         os._exit(DIED_WHILE_SAVING)
 
 
-def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("cache")
-    parser.add_argument("out")
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--num-workers", type=int, default=0)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--kill-at-step", type=int, default=None)
-    parser.add_argument("--die-while-saving-step", type=int, default=None)
-    parser.add_argument("--pause-at-step", type=int, default=None)
-    parser.add_argument("--ckpt", default=None)
-    parser.add_argument("--ckpt-dir", default=None, help="where checkpoints go (default OUT/ckpt)")
-    parser.add_argument("--ckpt-every", type=int, default=1, help="save a checkpoint every this many steps")
-    parser.add_argument("--limit-train-batches", type=int, default=None)
-    parser.add_argument("--max-steps", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--elastic", action="store_true", help="allow resuming on another number of ranks")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
+def planned(cache: Path, world: int, epoch: int) -> list[list[list[int]]]:
+    """Per rank, the batches the sampler plans for `epoch` at `world` ranks (batch size 2, drop_last)."""
+    members = ImageEditDataset(cache).index.bucket_members()
+    result = []
+    for rank in range(world):
+        sampler = BucketBatchSampler(
+            bucket_members=members, batch_sizes=[2] * len(members), rank=rank, world_size=world
+        )
+        sampler.set_epoch(epoch)
+        result.append([list(b) for b in sampler])
+    return result
+
+
+@dataclass
+class FitOptions:
+    """One harness run; the command line has a `--flag` per field."""
+
+    cache: str
+    out: str
+    devices: int = 1
+    num_workers: int = 0
+    epochs: int = 3
+    batch_size: int = 2
+    accumulate: int = 1
+    kill_at_step: int | None = None
+    die_while_saving_step: int | None = None
+    pause_at_step: int | None = None
+    ckpt: str | None = None
+    ckpt_dir: str | None = None  # where checkpoints go (default OUT/ckpt)
+    ckpt_every: int = 1  # save a checkpoint every this many steps
+    limit_train_batches: int | None = None
+    max_steps: int = -1
+    seed: int = 42
+    elastic: bool = False  # allow resuming on another number of ranks
+    in_process: bool = False  # raise SimulatedKill instead of exiting (one device only)
+
+    def __or__(self, changes: dict[str, Any]) -> FitOptions:
+        """A copy with `changes` applied."""
+        return replace(self, **changes)
+
+
+def fit(options: FitOptions) -> None:
+    """Run the recording fit; dies as `options` asks."""
+    out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     datamodule = ImageEditDataModule(
-        cache_dir=args.cache,
-        batch_size=args.batch_size,
-        num_workers=args.num_workers,
-        seed=args.seed,
-        elastic=args.elastic,
+        cache_dir=options.cache,
+        batch_size=options.batch_size,
+        num_workers=options.num_workers,
+        seed=options.seed,
+        elastic=options.elastic,
     )
     checkpoint = KillAfterCheckpoint(
-        kill_at_step=args.kill_at_step,
-        die_while_saving_step=args.die_while_saving_step,
-        dirpath=args.ckpt_dir or out / "ckpt",
+        kill_at_step=options.kill_at_step,
+        die_while_saving_step=options.die_while_saving_step,
+        in_process=options.in_process,
+        dirpath=options.ckpt_dir or out / "ckpt",
         filename="{step}",
-        every_n_train_steps=args.ckpt_every,
+        every_n_train_steps=options.ckpt_every,
         save_top_k=-1,
     )
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
-        max_epochs=args.epochs,
-        max_steps=args.max_steps,
-        accumulate_grad_batches=args.accumulate,
-        limit_train_batches=args.limit_train_batches,
+        devices=options.devices,
+        strategy="ddp" if options.devices > 1 else "auto",
+        max_epochs=options.epochs,
+        max_steps=options.max_steps,
+        accumulate_grad_batches=options.accumulate,
+        limit_train_batches=options.limit_train_batches,
         callbacks=[checkpoint],
         logger=False,
         enable_progress_bar=False,
@@ -143,8 +183,23 @@ def main(argv: list[str]) -> None:
         num_sanity_val_steps=0,
         default_root_dir=out,
     )
-    model = RecordingModel(str(out), pause_at_step=args.pause_at_step)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=args.ckpt)
+    model = RecordingModel(str(out), pause_at_step=options.pause_at_step)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=options.ckpt)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cache")
+    parser.add_argument("out")
+    for field in fields(FitOptions):
+        flag = "--" + field.name.replace("_", "-")
+        if field.name in ("cache", "out", "in_process"):
+            continue
+        if field.type == "bool":
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=str if "str" in str(field.type) else int, default=field.default)
+    fit(FitOptions(**vars(parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -7,26 +7,11 @@ from pathlib import Path
 
 import pytest
 from cachefactory import tiny_cache
+from fit_harness import planned
 from test_datamodule_resume import records, run
-
-from image_edit_data.dataset import ImageEditDataset
-from image_edit_data.sampler import BucketBatchSampler
 
 pytestmark = pytest.mark.slow
 EPOCHS = 2
-
-
-def planned(cache: Path, world: int, epoch: int) -> list[list[list[int]]]:
-    """Per rank, the batches the sampler plans for `epoch` at `world` ranks (batch size 2, drop_last)."""
-    members = ImageEditDataset(cache).index.bucket_members()
-    result = []
-    for rank in range(world):
-        sampler = BucketBatchSampler(
-            bucket_members=members, batch_sizes=[2] * len(members), rank=rank, world_size=world
-        )
-        sampler.set_epoch(epoch)
-        result.append([list(b) for b in sampler])
-    return result
 
 
 def test_a_fit_killed_on_two_ranks_finishes_its_epoch_on_one_without_loss_or_repeats(tmp_path: Path) -> None:

@@ -96,43 +96,6 @@ def test_iterating_does_not_touch_torchs_global_rng(cache: Path) -> None:
     assert torch.equal(before, torch.get_rng_state())
 
 
-def run_epochs(c: ImageEditDataloaderConfig, epochs: range, batch_size: int = 2) -> list[list[int]]:
-    built = c.build(dp_rank=0, dp_world_size=1, batch_size=batch_size)
-    out = []
-    for epoch in epochs:
-        built.sampler.set_epoch(epoch)
-        out.extend(ids(b) for b in built.dataloader)
-    return out
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize(("epoch", "cut"), [(0, 1), (0, 7), (0, 14), (1, 0), (1, 5), (2, 13)])
-def test_resume_from_loader_state_continues_exactly(cache: Path, num_workers: int, epoch: int, cut: int) -> None:
-    c = config(cache, num_workers=num_workers)
-    baseline = run_epochs(c, range(3))
-    per_epoch = len(baseline) // 3
-
-    first = c.build(dp_rank=0, dp_world_size=1, batch_size=2)
-    for e in range(epoch):
-        first.sampler.set_epoch(e)
-        for _ in first.dataloader:
-            pass
-    first.sampler.set_epoch(epoch)
-    iterator = iter(first.dataloader)
-    for _ in range(cut):
-        next(iterator)
-    state = first.dataloader.state_dict()
-    del iterator
-
-    resumed = c.build(dp_rank=0, dp_world_size=1, batch_size=2)
-    resumed.dataloader.load_state_dict(state)
-    rest = []
-    for e in range(epoch, 3):
-        resumed.sampler.set_epoch(e)
-        rest.extend(ids(b) for b in resumed.dataloader)
-    assert rest == baseline[epoch * per_epoch + cut :]
-
-
 def test_worker_batches_equal_in_process_batches(cache: Path) -> None:
     in_process = list(config(cache, num_workers=0).build(dp_rank=0, dp_world_size=1, batch_size=3).dataloader)
     from_workers = list(config(cache, num_workers=2).build(dp_rank=0, dp_world_size=1, batch_size=3).dataloader)
