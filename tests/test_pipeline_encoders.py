@@ -1,0 +1,227 @@
+"""Claims about caches built through diffusers pipelines (tiny, random, local Qwen-Image-Edit and FLUX.1 Kontext)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _build_helpers import drawing, write_lines
+from _pipeline_helpers import CLIP_HIDDEN, QWEN_HIDDEN, T5_HIDDEN, flux_kontext_pipeline, qwen_image_edit_pipeline
+
+from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset
+from image_edit_data.cache.cli import cache_main
+from image_edit_data.payload import load_payload
+
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+QWEN = "image_edit_data.cache.pipelines.QwenImageEditEncoder"
+KONTEXT = "image_edit_data.cache.pipelines.FluxKontextEncoder"
+# Raw sizes off the 32-pixel grid; with a 64x64 budget they become 64x32, 32x64 and 64x64.
+SIZES = ((80, 48), (48, 80), (64, 64), (100, 60))
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return qwen_image_edit_pipeline(tmp_path_factory.mktemp("pipelines") / "qwen-image-edit-plus")
+
+
+@pytest.fixture(scope="module")
+def kontext_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return flux_kontext_pipeline(tmp_path_factory.mktemp("pipelines") / "flux-kontext")
+
+
+def edit_manifest(root: Path, rows: int = 6) -> Path:
+    """A manifest in the form NeMo's preprocessor takes: every line has a target, contexts and conditions."""
+    images = root / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    prompts = ["make the sky red", "add a cat to the tree", "remove the dog", "make the cat blue"]
+    lines = []
+    for i in range(rows):
+        size = SIZES[i % len(SIZES)]
+        for kind, seed in (("src", i), ("tgt", i + 50), ("ref", i + 90)):
+            drawing(size if kind != "ref" else (64, 64), seed).save(images / f"{i}_{kind}.png")
+        media = [
+            {"role": "target", "file_name": f"images/{i}_tgt.png"},
+            {"role": "context", "file_name": f"images/{i}_src.png"},
+            {"role": "condition", "file_name": f"images/{i}_src.png"},
+        ]
+        if i % 3 == 1:  # a second context and condition image
+            media += [
+                {"role": "context", "file_name": f"images/{i}_ref.png"},
+                {"role": "condition", "file_name": f"images/{i}_ref.png"},
+            ]
+        metadata = {"dataset_name": "tiny-edits", "dataset_split": "train", "n": i}
+        lines.append({"id": f"e{i:02d}", "prompt": prompts[i % 4], "media": media, "metadata": metadata})
+    return write_lines(root / "edits.jsonl", lines)
+
+
+def build(cache: Path, manifest: Path, encoder: str, path: Path, *extra: str) -> None:
+    """`image-edit-data cache build` with one pipeline encoder, in this process."""
+    args = ["build", str(cache), "--manifest", str(manifest), "--encoder", encoder, "--encoder.path", str(path)]
+    resize = ["--max-pixels", "4096", "--spatial-alignment", "32", "--upscale", "--batch-size", "2", "--quiet"]
+    assert cache_main([*args, *resize, *extra]) == 0
+
+
+def assert_loads_in_batches(cache: Path) -> list[dict[str, Any]]:
+    """The cache validates, and the loader yields every sample once; returns the batches."""
+    assert cache_main(["validate", str(cache), "--check-finite"]) == 0
+    built = ImageEditDataloaderConfig(cache_dir=str(cache), num_workers=0, drop_last=False, shuffle=False).build(
+        dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    batches = list(built.dataloader)
+    seen = sorted(i for batch in batches for i in batch["metadata"]["sample_indices"])
+    assert seen == list(range(len(ImageEditDataset(cache))))
+    return batches
+
+
+def test_a_qwen_image_edit_cache_validates_and_loads_in_batches(
+    tmp_path: Path, qwen_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    manifest = edit_manifest(tmp_path / "raw")
+    build(tmp_path / "cache", manifest, QWEN, qwen_path, "--encoder.torch_dtype", "float32", "--format", "safetensors")
+    batches = assert_loads_in_batches(tmp_path / "cache")
+    assert all(batch["text_embeddings"].shape[-1] == QWEN_HIDDEN for batch in batches)
+    assert all(batch["conditioning_tensors"] == {} for batch in batches)
+    dataset = ImageEditDataset(tmp_path / "cache")
+    first, second = dataset[0], dataset[1]
+    assert first["target_latent"].shape == (4, 16, 32)  # 64x32 pixels, spatial factor 2
+    assert [tuple(c.shape) for c in second["context_latents"]] == [(4, 32, 16), (4, 32, 32)]
+    assert second["metadata"]["original_pixel_shapes"]["conditions"] == [[80, 48], [64, 64]]
+    # Qwen2.5-VL looked at the condition images: two pictures give a longer prompt than one.
+    assert second["metadata"]["text_token_length"] > first["metadata"]["text_token_length"]
+    assert bool(first["prompt_attention_mask"].all())
+
+
+def test_qwen_prompt_embeddings_depend_on_the_condition_images(tmp_path: Path, qwen_path: Path) -> None:
+    from image_edit_data.cache.pipelines import QwenImageEditEncoder
+
+    encoder = QwenImageEditEncoder(str(qwen_path), torch_dtype="float32")
+    red, blue = drawing((48, 80), 1), drawing((48, 80), 2)
+    a, b, again = encoder.encode_prompts(["make the sky red"] * 3, [(red,), (blue,), (red,)])
+    assert a.embeddings.shape == b.embeddings.shape and not torch.equal(a.embeddings, b.embeddings)
+    assert torch.equal(a.embeddings, again.embeddings)
+    assert encoder.resize_condition(red).size == (288, 480)  # 48:80 at 384x384 pixels, sides rounded to 32
+
+
+def test_a_kontext_cache_stores_the_pooled_clip_embedding_as_conditioning(tmp_path: Path, kontext_path: Path) -> None:
+    manifest = edit_manifest(tmp_path / "raw")
+    build(tmp_path / "cache", manifest, KONTEXT, kontext_path, "--encoder.max_sequence_length", "12")
+    batches = assert_loads_in_batches(tmp_path / "cache")
+    for batch in batches:
+        pooled = batch["conditioning_tensors"]["pooled_prompt_embeds"]
+        assert pooled.shape == (batch["image_latents"].shape[0], CLIP_HIDDEN)
+        assert batch["text_embeddings"].shape[1:] == (12, T5_HIDDEN)
+        assert batch["metadata"]["text_token_counts"] == [12] * pooled.shape[0]
+    payload = load_payload(tmp_path / "cache" / "samples" / "sample_00000000.pt", "sample 0")
+    assert payload["metadata"]["conditioning_shapes"] == {"pooled_prompt_embeds": [CLIP_HIDDEN]}
+    assert payload["conditioning_tensors"]["pooled_prompt_embeds"].dtype == torch.float32
+
+
+def test_kontext_latents_use_the_pipelines_shift_and_scaling_factor(kontext_path: Path) -> None:
+    from diffusers import AutoencoderKL
+
+    from image_edit_data.cache.pipelines import FluxKontextEncoder
+    from image_edit_data.cache.resize import to_pixels
+
+    encoder = FluxKontextEncoder(str(kontext_path), torch_dtype="float32")
+    images = to_pixels([drawing((32, 16), 3)])
+    raw = AutoencoderKL.from_pretrained(kontext_path / "vae").encode(images).latent_dist.mode()
+    assert encoder.spatial_factor == 2
+    torch.testing.assert_close(encoder.encode(images), (raw - 0.25) * 0.5, rtol=0, atol=0)
+
+
+def test_a_pipeline_directory_without_a_vae_is_refused_naming_the_component(tmp_path: Path) -> None:
+    from image_edit_data.cache.pipelines import QwenImageEditEncoder
+
+    path = qwen_image_edit_pipeline(tmp_path / "no-vae", parts=("text",))
+    with pytest.raises(
+        ValueError, match=r"no-vae/model_index.json: vae: QwenImageEditEncoder needs the pipeline's vae"
+    ):
+        QwenImageEditEncoder(str(path))
+
+
+def test_a_pipeline_directory_without_a_text_encoder_is_refused_naming_the_component(
+    tmp_path: Path, kontext_path: Path
+) -> None:
+    from image_edit_data.cache.pipelines import FluxKontextEncoder
+
+    path = tmp_path / "kontext"
+    shutil.copytree(kontext_path, path)
+    shutil.rmtree(path / "text_encoder_2")
+    with pytest.raises(
+        FileNotFoundError, match=r"kontext/text_encoder_2: the pipeline's text_encoder_2 folder is missing"
+    ):
+        FluxKontextEncoder(str(path))
+    with pytest.raises(FileNotFoundError, match=r"nowhere: pipeline directory does not exist"):
+        FluxKontextEncoder(str(tmp_path / "nowhere"))
+
+
+def test_an_unsupported_pipeline_class_is_refused_naming_the_file_and_the_right_encoder(
+    tmp_path: Path, qwen_path: Path
+) -> None:
+    from image_edit_data.cache.pipelines import FluxKontextEncoder
+
+    with pytest.raises(
+        ValueError,
+        match=r"model_index.json: _class_name: FluxKontextEncoder encodes FluxKontextPipeline, "
+        r"got QwenImageEditPlusPipeline; use image_edit_data.cache.pipelines.qwen_image_edit.QwenImageEditEncoder",
+    ):
+        FluxKontextEncoder(str(qwen_path))
+    path = tmp_path / "sdxl"
+    shutil.copytree(qwen_path, path)
+    index = json.loads((path / "model_index.json").read_text()) | {"_class_name": "StableDiffusionXLPipeline"}
+    (path / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        ValueError,
+        match=r"StableDiffusionXLPipeline is not supported; pipeline encoders exist for "
+        r"FluxKontextPipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline",
+    ):
+        FluxKontextEncoder(str(path))
+
+
+def test_a_missing_condition_image_is_a_bad_sample_naming_the_file(
+    tmp_path: Path, qwen_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    manifest = edit_manifest(tmp_path / "raw", rows=2)
+    lines = [json.loads(line) for line in manifest.read_text().splitlines()]
+    lines[1]["media"][2]["file_name"] = "images/gone.png"
+    broken = write_lines(manifest.parent / "broken.jsonl", lines)
+    args = [
+        "build",
+        str(tmp_path / "c"),
+        "--manifest",
+        str(broken),
+        "--encoder",
+        QWEN,
+        "--encoder.path",
+        str(qwen_path),
+    ]
+    assert cache_main([*args, "--quiet", "--max-pixels", "4096"]) == 1
+    assert "broken.jsonl line 2: media[2].file_name: 'images/gone.png' does not exist" in capsys.readouterr().out
+    from image_edit_data.cache.sources import BadSampleError, JsonlManifestSource
+
+    with pytest.raises(BadSampleError, match=r"line 2: media\[2\].file_name: 'images/gone.png' does not exist"):
+        JsonlManifestSource(broken).read(1)
+
+
+def test_encoder_options_are_either_one_pipeline_or_an_image_and_a_text_encoder(
+    tmp_path: Path, qwen_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    manifest = edit_manifest(tmp_path / "raw", rows=1)
+    base = ["build", str(tmp_path / "c"), "--manifest", str(manifest), "--quiet"]
+    assert cache_main(base) == 1
+    assert "encoder: give --encoder (a pipeline encoder), or both --image-encoder and --text-encoder" in (
+        capsys.readouterr().out
+    )
+    both = ["--encoder", QWEN, "--encoder.path", str(qwen_path), "--image-encoder", QWEN, "--image-encoder.path", "x"]
+    assert cache_main([*base, *both]) == 1
+    assert "encoder: give either --encoder or --image-encoder with --text-encoder, not both" in capsys.readouterr().out
