@@ -11,8 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _build_helpers import WORDS
+from _build_helpers import WORDS, drawing, write_lines
 
+from image_edit_data.cache.cli import cache_main
+
+QWEN = "image_edit_data.cache.pipelines.QwenImageEditEncoder"
+KONTEXT = "image_edit_data.cache.pipelines.FluxKontextEncoder"
+# Raw sizes off the 32-pixel grid; with a 64x64 budget they become 64x32, 32x64 and 64x64.
+SIZES = ((80, 48), (48, 80), (64, 64), (100, 60))
 QWEN_SPECIALS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -54,11 +60,6 @@ def qwen_tokenizer() -> Any:
         errors="replace",
     )
     return fast
-
-
-def image_only_processor_class() -> type:
-    """`ImageOnlyQwen2VLProcessor`, built on first use so importing this module does not import transformers."""
-    return ImageOnlyQwen2VLProcessor
 
 
 try:
@@ -147,7 +148,7 @@ def qwen_image_edit_pipeline(path: Path, plus: bool = True, parts: tuple[str, ..
     tokenizer = qwen_tokenizer()
     # A small pixel budget keeps the vision tower's token count low (the 384^2 condition becomes 4x4 tokens).
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
-    processor = image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer)
+    processor = ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
     has_text = "text" in parts
     pipeline = pipeline_class(
@@ -244,3 +245,35 @@ def flux_kontext_pipeline(path: Path) -> Path:
 def model_index(path: Path) -> dict[str, Any]:
     """The pipeline directory's model_index.json."""
     return json.loads((path / "model_index.json").read_text())
+
+
+def edit_manifest(root: Path, rows: int = 6) -> Path:
+    """A manifest in the form NeMo's preprocessor takes: every line has a target, contexts and conditions."""
+    images = root / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    prompts = ["make the sky red", "add a cat to the tree", "remove the dog", "make the cat blue"]
+    lines = []
+    for i in range(rows):
+        size = SIZES[i % len(SIZES)]
+        for kind, seed in (("src", i), ("tgt", i + 50), ("ref", i + 90)):
+            drawing(size if kind != "ref" else (64, 64), seed).save(images / f"{i}_{kind}.png")
+        media = [
+            {"role": "target", "file_name": f"images/{i}_tgt.png"},
+            {"role": "context", "file_name": f"images/{i}_src.png"},
+            {"role": "condition", "file_name": f"images/{i}_src.png"},
+        ]
+        if i % 3 == 1:  # a second context and condition image
+            media += [
+                {"role": "context", "file_name": f"images/{i}_ref.png"},
+                {"role": "condition", "file_name": f"images/{i}_ref.png"},
+            ]
+        metadata = {"dataset_name": "tiny-edits", "dataset_split": "train", "n": i}
+        lines.append({"id": f"e{i:02d}", "prompt": prompts[i % 4], "media": media, "metadata": metadata})
+    return write_lines(root / "edits.jsonl", lines)
+
+
+def build(cache: Path, manifest: Path, encoder: str, path: Path, *extra: str) -> None:
+    """`image-edit-data cache build` with one pipeline encoder, in this process."""
+    args = ["build", str(cache), "--manifest", str(manifest), "--encoder", encoder, "--encoder.path", str(path)]
+    resize = ["--max-pixels", "4096", "--spatial-alignment", "32", "--upscale", "--batch-size", "2", "--quiet"]
+    assert cache_main([*args, *resize, *extra]) == 0

@@ -10,7 +10,17 @@ from typing import Any
 import pytest
 import torch
 from _build_helpers import drawing, write_lines
-from _pipeline_helpers import CLIP_HIDDEN, QWEN_HIDDEN, T5_HIDDEN, flux_kontext_pipeline, qwen_image_edit_pipeline
+from _pipeline_helpers import (
+    CLIP_HIDDEN,
+    KONTEXT,
+    QWEN,
+    QWEN_HIDDEN,
+    T5_HIDDEN,
+    build,
+    edit_manifest,
+    flux_kontext_pipeline,
+    qwen_image_edit_pipeline,
+)
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset
 from image_edit_data.cache.cli import cache_main
@@ -18,10 +28,6 @@ from image_edit_data.payload import load_payload
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
-QWEN = "image_edit_data.cache.pipelines.QwenImageEditEncoder"
-KONTEXT = "image_edit_data.cache.pipelines.FluxKontextEncoder"
-# Raw sizes off the 32-pixel grid; with a 64x64 budget they become 64x32, 32x64 and 64x64.
-SIZES = ((80, 48), (48, 80), (64, 64), (100, 60))
 
 
 @pytest.fixture(autouse=True)
@@ -37,38 +43,6 @@ def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def kontext_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return flux_kontext_pipeline(tmp_path_factory.mktemp("pipelines") / "flux-kontext")
-
-
-def edit_manifest(root: Path, rows: int = 6) -> Path:
-    """A manifest in the form NeMo's preprocessor takes: every line has a target, contexts and conditions."""
-    images = root / "images"
-    images.mkdir(parents=True, exist_ok=True)
-    prompts = ["make the sky red", "add a cat to the tree", "remove the dog", "make the cat blue"]
-    lines = []
-    for i in range(rows):
-        size = SIZES[i % len(SIZES)]
-        for kind, seed in (("src", i), ("tgt", i + 50), ("ref", i + 90)):
-            drawing(size if kind != "ref" else (64, 64), seed).save(images / f"{i}_{kind}.png")
-        media = [
-            {"role": "target", "file_name": f"images/{i}_tgt.png"},
-            {"role": "context", "file_name": f"images/{i}_src.png"},
-            {"role": "condition", "file_name": f"images/{i}_src.png"},
-        ]
-        if i % 3 == 1:  # a second context and condition image
-            media += [
-                {"role": "context", "file_name": f"images/{i}_ref.png"},
-                {"role": "condition", "file_name": f"images/{i}_ref.png"},
-            ]
-        metadata = {"dataset_name": "tiny-edits", "dataset_split": "train", "n": i}
-        lines.append({"id": f"e{i:02d}", "prompt": prompts[i % 4], "media": media, "metadata": metadata})
-    return write_lines(root / "edits.jsonl", lines)
-
-
-def build(cache: Path, manifest: Path, encoder: str, path: Path, *extra: str) -> None:
-    """`image-edit-data cache build` with one pipeline encoder, in this process."""
-    args = ["build", str(cache), "--manifest", str(manifest), "--encoder", encoder, "--encoder.path", str(path)]
-    resize = ["--max-pixels", "4096", "--spatial-alignment", "32", "--upscale", "--batch-size", "2", "--quiet"]
-    assert cache_main([*args, *resize, *extra]) == 0
 
 
 def assert_loads_in_batches(cache: Path) -> list[dict[str, Any]]:
