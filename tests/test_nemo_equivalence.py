@@ -8,13 +8,16 @@ same tiny random Qwen-Image-Edit-Plus pipeline. scripts/setup.sh installs nemo-a
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from _pipeline_helpers import QWEN, build, edit_manifest, qwen_image_edit_pipeline
+from PIL import Image
 
+from image_edit_data.cache.resize import ResizePolicy
 from image_edit_data.payload import load_payload
 
 try:  # not skipped when absent: this claim must be checked wherever the suite runs
@@ -46,8 +49,8 @@ def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def our_cache(cache: Path, manifest: Path, pipeline: Path, dtype: str, batch_size: int) -> Path:
-    """`cache build` with NeMo's settings: 64x64 pixel budget, 32-pixel alignment, 512 tokens, stored in `dtype`."""
-    dtypes = ["--encoder.torch_dtype", dtype, "--store-dtype", dtype]
+    """`cache build` with NeMo's settings: 64x64 pixel budget, its resize rule, 512 tokens, stored in `dtype`."""
+    dtypes = ["--encoder.torch_dtype", dtype, "--store-dtype", dtype, "--resize", "max_pixels_floor"]
     build(
         cache,
         manifest,
@@ -139,3 +142,16 @@ def test_a_bfloat16_build_equals_nemos_preprocessor_within_bfloat16_rounding(tmp
             assert a.dtype == b.dtype == torch.bfloat16
             torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7)
         assert_same_metadata(mine["metadata"], theirs["metadata"])
+
+
+def test_resize_mode_max_pixels_floor_gives_the_sizes_nemos_preprocessor_gives() -> None:
+    rng = random.Random(0)
+    sizes = [(70, 50), *((rng.randint(8, 300), rng.randint(8, 300)) for _ in range(300))]
+    for budget in (32 * 32, 4096, 160 * 96):
+        floor = ResizePolicy("max_pixels_floor", max_pixels=budget, spatial_alignment=32, upscale=True)
+        for size in sizes:
+            expected = preprocessing._resize_to_area(Image.new("RGB", size), target_area=budget).size
+            assert floor.output_size(size, 8) == expected, (size, budget)
+    # The default mode may round a side up when that keeps the aspect ratio closer.
+    nearest = ResizePolicy("max_pixels", max_pixels=4096, spatial_alignment=32, upscale=True)
+    assert nearest.output_size((70, 50), 8) == (64, 64)

@@ -81,9 +81,9 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--resize",
-        type=Literal["max_pixels", "presets", "none"],
+        type=Literal["max_pixels", "max_pixels_floor", "presets", "none"],
         default="max_pixels",
-        help="Keep aspect within --max-pixels, pick the closest of --presets, or require aligned images.",
+        help="Keep aspect within --max-pixels (floor: sides rounded down, as NeMo), pick from --presets, or none.",
     )
     parser.add_argument("--max-pixels", type=int, default=1024 * 1024, help="Pixel budget per image.")
     parser.add_argument("--spatial-alignment", type=int, default=32, help="Image sides are multiples of this.")
