@@ -199,3 +199,21 @@ def test_encoder_options_are_either_one_pipeline_or_an_image_and_a_text_encoder(
     both = ["--encoder", QWEN, "--encoder.path", str(qwen_path), "--image-encoder", QWEN, "--image-encoder.path", "x"]
     assert cache_main([*base, *both]) == 1
     assert "encoder: give either --encoder or --image-encoder with --text-encoder, not both" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", ["qwen_image_edit.yaml", "flux_kontext.yaml"])
+def test_a_shipped_cache_config_builds_a_cache_with_only_the_model_path_device_and_budget_changed(
+    tmp_path: Path, config: str, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue("qwen_path" if config.startswith("qwen") else "kontext_path")
+    manifest = edit_manifest(tmp_path / "raw", rows=3)
+    config_file = Path(__file__).resolve().parents[1] / "configs" / "cache" / config
+    overrides = ["--encoder.init_args.path", str(path), "--encoder.init_args.device", "cpu"]
+    small = ["--resize", "max_pixels", "--max-pixels", "4096", "--spatial-alignment", "32", "--quiet"]
+    args = ["build", "--config", str(config_file), str(tmp_path / "c"), "--manifest", str(manifest)]
+    assert cache_main([*args, *overrides, *small]) == 0
+    assert_loads_in_batches(tmp_path / "c")
+    sample = ImageEditDataset(tmp_path / "c")[0]
+    assert sample["target_latent"].dtype == sample["prompt_embeddings"].dtype == torch.bfloat16
+    settings = json.loads((tmp_path / "c" / "metadata.json").read_text())["preprocessing_config"]
+    assert settings["image_encoder"]["init_args"]["torch_dtype"] == "bfloat16"
