@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _build_helpers import drawing, write_lines
+from _build_helpers import cli_env, drawing, index_files, write_lines
 from _pipeline_helpers import (
     CLIP_HIDDEN,
     KONTEXT,
@@ -28,6 +32,7 @@ from image_edit_data.payload import load_payload
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
+CLI_SCRIPT = Path(__file__).with_name("_pipeline_cli.py")
 
 
 @pytest.fixture(autouse=True)
@@ -217,3 +222,63 @@ def test_a_shipped_cache_config_builds_a_cache_with_only_the_model_path_device_a
     assert sample["target_latent"].dtype == sample["prompt_embeddings"].dtype == torch.bfloat16
     settings = json.loads((tmp_path / "c" / "metadata.json").read_text())["preprocessing_config"]
     assert settings["image_encoder"]["init_args"]["torch_dtype"] == "bfloat16"
+
+
+def pipeline_args(cache: Path, manifest: Path, path: Path, *extra: str) -> list[str]:
+    """`cache build` options for a float32 Qwen build one image per VAE call, so any two runs are bit-identical."""
+    encoder = ["--encoder", QWEN, "--encoder.path", str(path), "--encoder.torch_dtype", "float32"]
+    options = ["--max-pixels", "4096", "--upscale", "--batch-size", "1", "--quiet", *extra]
+    return ["build", str(cache), "--manifest", str(manifest), *encoder, *options]
+
+
+def assert_same_payloads(a: Path, b: Path) -> None:
+    assert index_files(a) == index_files(b)
+    names = sorted(p.name for p in (a / "samples").iterdir())
+    assert names == sorted(p.name for p in (b / "samples").iterdir())
+    for name in names:
+        first, second = load_payload(a / "samples" / name, name), load_payload(b / "samples" / name, name)
+        for key in ("target_latent", "prompt_embeddings", "prompt_attention_mask"):
+            assert torch.equal(first[key], second[key]), (name, key)
+        assert all(torch.equal(x, y) for x, y in zip(first["context_latents"], second["context_latents"]))
+        assert first["metadata"] == second["metadata"]
+
+
+def journal_lines(cache: Path) -> int:
+    journal = cache / "progress" / "rank-00000.jsonl"
+    return journal.read_bytes().count(b"\n") if journal.exists() else 0
+
+
+@pytest.mark.slow
+def test_a_killed_pipeline_build_rerun_equals_an_uninterrupted_one(tmp_path: Path, qwen_path: Path) -> None:
+    manifest = edit_manifest(tmp_path / "raw", rows=12)
+    cache = tmp_path / "killed"
+    command = [sys.executable, str(CLI_SCRIPT), *pipeline_args(cache, manifest, qwen_path)]
+    process = subprocess.Popen(command, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while journal_lines(cache) < 4 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    done = journal_lines(cache)
+    assert 4 <= done < 12, "the build should have been killed between windows"
+    rerun = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"wrote {12 - done} payloads ({done} of 12 already done)" in rerun.stdout
+    assert cache_main(pipeline_args(tmp_path / "reference", manifest, qwen_path)) == 0
+    assert_same_payloads(cache, tmp_path / "reference")
+
+
+@pytest.mark.slow
+def test_torchrun_with_two_ranks_builds_the_same_pipeline_cache_as_one_process(tmp_path: Path, qwen_path: Path) -> None:
+    manifest = edit_manifest(tmp_path / "raw", rows=8)
+    cache = tmp_path / "two"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = pipeline_args(cache, manifest, qwen_path, "--poll-interval", "0.1")
+    done = subprocess.run(
+        [*torchrun, str(CLI_SCRIPT), *args], env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rank 1/2: wrote 4 payloads" in done.stdout and "8 samples in 1 index shard(s)" in done.stdout
+    assert sorted(p.name for p in (cache / "progress").glob("rank-*.jsonl")) == ["rank-00000.jsonl", "rank-00001.jsonl"]
+    assert cache_main(pipeline_args(tmp_path / "one", manifest, qwen_path)) == 0
+    assert_same_payloads(cache, tmp_path / "one")
