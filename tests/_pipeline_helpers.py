@@ -274,7 +274,8 @@ def edit_manifest(root: Path, rows: int = 6) -> Path:
 
 
 def build(cache: Path, manifest: Path, encoder: str, path: Path, *extra: str) -> None:
-    """`image-edit-data cache build` with one pipeline encoder, in this process."""
-    args = ["build", str(cache), "--manifest", str(manifest), "--encoder", encoder, "--encoder.path", str(path)]
+    """`image-edit-data cache build` with one pipeline encoder, in this process (from `manifest` unless `--dataset`)."""
+    source = [] if "--dataset" in extra else ["--manifest", str(manifest)]
+    args = ["build", str(cache), *source, "--encoder", encoder, "--encoder.path", str(path)]
     resize = ["--max-pixels", "4096", "--spatial-alignment", "32", "--upscale", "--batch-size", "2", "--quiet"]
     assert cache_main([*args, *resize, *extra]) == 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _build_helpers import cli_env, drawing, index_files, write_lines
+from _build_helpers import cli_env, drawing, index_files, png_bytes, write_lines, write_parquet
 from _pipeline_helpers import (
     CLIP_HIDDEN,
     KONTEXT,
@@ -282,3 +282,27 @@ def test_torchrun_with_two_ranks_builds_the_same_pipeline_cache_as_one_process(t
     assert sorted(p.name for p in (cache / "progress").glob("rank-*.jsonl")) == ["rank-00000.jsonl", "rank-00001.jsonl"]
     assert cache_main(pipeline_args(tmp_path / "one", manifest, qwen_path)) == 0
     assert_same_payloads(cache, tmp_path / "one")
+
+
+def test_data_set_condition_columns_reach_qwen_and_without_them_the_contexts_do(
+    tmp_path: Path, qwen_path: Path
+) -> None:
+    rows = {
+        "source_img": [{"bytes": png_bytes(drawing((48, 80), i)), "path": None} for i in range(2)],
+        "target_img": [{"bytes": png_bytes(drawing((48, 80), i + 10)), "path": None} for i in range(2)],
+        "other_img": [{"bytes": png_bytes(drawing((80, 48), i + 20)), "path": None} for i in range(2)],
+        "instruction": ["make the sky red", "add a cat"],
+    }
+    parquet = write_parquet(tmp_path / "pq" / "train.parquet", rows)
+    base = ["--dataset", str(parquet), "--hf-cache-dir", str(tmp_path / "hf"), "--encoder.torch_dtype", "float32"]
+    build(tmp_path / "contexts", Path("unused"), QWEN, qwen_path, *base)
+    build(tmp_path / "same", Path("unused"), QWEN, qwen_path, *base, "--condition-columns", "[source_img]")
+    build(tmp_path / "other", Path("unused"), QWEN, qwen_path, *base, "--condition-columns", "[other_img]")
+    contexts, same, other = (ImageEditDataset(tmp_path / name)[1] for name in ("contexts", "same", "other"))
+    assert torch.equal(contexts["prompt_embeddings"], same["prompt_embeddings"])
+    assert not torch.equal(contexts["prompt_embeddings"], other["prompt_embeddings"])
+    assert torch.equal(contexts["target_latent"], other["target_latent"])  # conditions are not VAE-encoded
+    assert other["metadata"]["original_pixel_shapes"]["conditions"] == [[48, 80]]
+    manifest = json.loads((tmp_path / "other" / "metadata.json").read_text())
+    assert manifest["source"]["condition_columns"] == ["other_img"]
+    assert "condition_columns" not in json.loads((tmp_path / "contexts" / "metadata.json").read_text())["source"]
