@@ -91,6 +91,18 @@ def test_qwen_prompt_embeddings_depend_on_the_condition_images(tmp_path: Path, q
     assert encoder.resize_condition(red).size == (288, 480)  # 48:80 at 384x384 pixels, sides rounded to 32
 
 
+def test_the_first_qwen_image_edit_pipeline_looks_at_one_condition_at_1024_squared(tmp_path: Path) -> None:
+    from image_edit_data.cache.pipelines import QwenImageEditEncoder
+
+    encoder = QwenImageEditEncoder(str(qwen_image_edit_pipeline(tmp_path / "edit", plus=False)), torch_dtype="float32")
+    image = drawing((48, 80), 1)
+    assert encoder.resize_condition(image).size == (800, 1312)  # 48:80 at 1024x1024 pixels, sides rounded to 32
+    (encoding,) = encoder.encode_prompts(["make the sky red"], [(image,)])
+    assert encoding.embeddings.shape[1] == QWEN_HIDDEN and bool(encoding.mask.all())
+    with pytest.raises(ValueError, match=r"edit: QwenImageEditPipeline looks at exactly one condition image, got 2"):
+        encoder.encode_prompts(["make the sky red"], [(image, image)])
+
+
 def test_a_kontext_cache_stores_the_pooled_clip_embedding_as_conditioning(tmp_path: Path, kontext_path: Path) -> None:
     manifest = edit_manifest(tmp_path / "raw")
     build(tmp_path / "cache", manifest, KONTEXT, kontext_path, "--encoder.max_sequence_length", "12")
