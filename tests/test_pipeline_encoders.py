@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import signal
@@ -318,3 +319,17 @@ def test_data_set_condition_columns_reach_qwen_and_without_them_the_contexts_do(
     manifest = json.loads((tmp_path / "other" / "metadata.json").read_text())
     assert manifest["source"]["condition_columns"] == ["other_img"]
     assert "condition_columns" not in json.loads((tmp_path / "contexts" / "metadata.json").read_text())["source"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed here")
+def test_a_qwen_pipeline_needing_torchvision_is_refused_with_the_fix(
+    tmp_path: Path, qwen_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = tmp_path / "qwen"
+    shutil.copytree(qwen_path, path)
+    index = json.loads((path / "model_index.json").read_text()) | {"processor": ["transformers", "Qwen2VLProcessor"]}
+    (path / "model_index.json").write_text(json.dumps(index))
+    manifest = edit_manifest(tmp_path / "raw", rows=1)
+    args = ["build", str(tmp_path / "c"), "--manifest", str(manifest), "--encoder", QWEN, "--encoder.path", str(path)]
+    assert cache_main([*args, "--quiet"]) == 1
+    assert "qwen/processor: transformers needs torchvision to load Qwen2VLProcessor" in capsys.readouterr().out

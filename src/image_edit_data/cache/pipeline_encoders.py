@@ -83,6 +83,7 @@ class DiffusersPipelineEncoder:
         if class_name not in self.pipeline_classes:
             raise ValueError(self._unsupported(class_name))
         self._check_components(index)
+        self.check_environment(index)
         skipped = {name: None for name in index if not name.startswith("_") and name not in self.components}
         pipeline_class = getattr(diffusers, class_name, None)
         if pipeline_class is None:
@@ -127,6 +128,9 @@ class DiffusersPipelineEncoder:
                 raise FileNotFoundError(
                     f"{self.path / name}: the pipeline's {name} folder is missing ({type(self).__name__} uses {needs})"
                 )
+
+    def check_environment(self, index: dict[str, Any]) -> None:
+        """Refuse early, with the fix, when a package the family's components need is missing."""
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ Latents are the VAE's latent mode, normalised per channel as `(z - latents_mean)
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
@@ -65,6 +65,16 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
         vae_config = self.pipeline.vae.config
         self.latents_mean = torch.tensor(vae_config.latents_mean).view(1, -1, 1, 1, 1)
         self.latents_std = torch.tensor(vae_config.latents_std).view(1, -1, 1, 1, 1)
+
+    def check_environment(self, index: dict[str, Any]) -> None:
+        """Without torchvision, transformers fails obscurely to load Qwen2VLProcessor (its video processor)."""
+        from transformers.utils import is_torchvision_available
+
+        if index.get("processor") == ["transformers", "Qwen2VLProcessor"] and not is_torchvision_available():
+            raise ImportError(
+                f"{self.path / 'processor'}: transformers needs torchvision to load Qwen2VLProcessor "
+                f"(its video processor); install the torchvision build that matches your torch"
+            )
 
     def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
         """`(mode - latents_mean) / latents_std` in the VAE dtype, like the pipeline; images go in as 1-frame clips."""
