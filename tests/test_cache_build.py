@@ -80,7 +80,12 @@ def test_a_manifest_cache_built_with_tiny_hf_models_loads_and_validates(
     assert first["original_ids"] == {"id": "s000"}
     assert first["manifest_metadata"] == {"n": 0}
     assert [m["role"] for m in first["media"]] == ["target", "context", "context", "condition"]
-    assert first["original_pixel_shapes"] == {"target": [24, 40], "contexts": [[24, 40], [32, 32]]}
+    assert first["original_pixel_shapes"] == {
+        "target": [24, 40],
+        "contexts": [[24, 40], [32, 32]],
+        "conditions": [[24, 40]],
+    }
+    assert "conditions" not in samples[1]["metadata"]["original_pixel_shapes"]
     assert len(samples[0]["context_latents"]) == 2 and len(samples[1]["context_latents"]) == 1
     for sample in samples:
         meta = sample["metadata"]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from ..payload import PayloadFormat
 from .encode import Prepared, encode_window, prepare
-from .encoders import ImageEncoder, TextEncoder
+from .encoders import ImageEncoder, PromptEncoder, TextEncoder
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .resize import ResizePolicy
@@ -87,8 +87,8 @@ class BuildReport:
     merge_only: bool = False  # nothing was encoded by request
 
 
-def instantiate(spec: EncoderSpec, protocol: type, name: str) -> Any:
-    """Build an encoder from `{"class_path", "init_args"}` and check it has the protocol's methods."""
+def instantiate(spec: EncoderSpec, protocol: type | tuple[type, ...], name: str) -> Any:
+    """Build an encoder from `{"class_path", "init_args"}` and check it has the methods of (one of) the protocols."""
     class_path = spec.get("class_path")
     if not isinstance(class_path, str) or "." not in class_path:
         raise ValueError(
@@ -101,7 +101,8 @@ def instantiate(spec: EncoderSpec, protocol: type, name: str) -> Any:
         raise ValueError(f"{name}.class_path: cannot import {class_path!r} ({error})") from None
     encoder = cls(**dict(spec.get("init_args") or {}))
     if not isinstance(encoder, protocol):
-        raise TypeError(f"{name}: {class_path} does not implement {protocol.__name__} (see cache/encoders.py)")
+        names = " or ".join(p.__name__ for p in (protocol if isinstance(protocol, tuple) else (protocol,)))
+        raise TypeError(f"{name}: {class_path} does not implement {names} (see cache/encoders.py)")
     return encoder
 
 
@@ -211,7 +212,11 @@ def _encode_slice(
     if not todo:
         return already, 0, skipped
     image_encoder: ImageEncoder = instantiate(specs[0], ImageEncoder, "image_encoder")
-    text_encoder: TextEncoder = instantiate(specs[1], TextEncoder, "text_encoder")
+    text_encoder: TextEncoder | PromptEncoder
+    if specs[1] == specs[0] and isinstance(image_encoder, PromptEncoder):
+        text_encoder = image_encoder  # one pipeline encoder for both sides, loaded once
+    else:
+        text_encoder = instantiate(specs[1], (PromptEncoder, TextEncoder), "text_encoder")
     factor = int(image_encoder.spatial_factor)
     options.resize.check(factor)
     window_size = options.batch_size * WINDOW_BATCHES

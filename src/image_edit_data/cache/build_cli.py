@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from .build import BuildOptions, BuildReport, build_cache
-from .encoders import ImageEncoder, TextEncoder
+from .encoders import ImageEncoder, PipelineEncoder, PromptEncoder, TextEncoder
 from .resize import ResizePolicy
 from .sources import EditSource, JsonlManifestSource
 
@@ -60,6 +60,9 @@ def add_source_arguments(parser: ArgumentParser) -> None:
     group.add_argument("--prompt-column", type=str, default="instruction", help="Instruction column.")
     group.add_argument("--id-column", type=str | None, default=None, help="Unique id column (default: row number).")
     group.add_argument("--metadata-columns", type=list[str], default=[], help="Columns kept as manifest_metadata.")
+    group.add_argument(
+        "--condition-columns", type=list[str], default=[], help="Condition image columns for prompt encoders."
+    )
     group.add_argument("--hf-cache-dir", type=str | None, default=None, help="Where datasets converts parquet files.")
 
 
@@ -69,13 +72,18 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of these options.")
     parser.add_argument("out_dir", type=str, help="Cache directory to create or resume.")
     add_source_arguments(parser)
-    parser.add_argument("--image-encoder", type=ImageEncoder, required=True, help="Class path (+ init args).")
-    parser.add_argument("--text-encoder", type=TextEncoder, required=True, help="Class path (+ init args).")
+    parser.add_argument(
+        "--encoder", type=PipelineEncoder | None, default=None, help="One pipeline for images and prompts."
+    )
+    parser.add_argument("--image-encoder", type=ImageEncoder | None, default=None, help="Class path (+ init args).")
+    parser.add_argument(
+        "--text-encoder", type=TextEncoder | PromptEncoder | None, default=None, help="Class path (+ init args)."
+    )
     parser.add_argument(
         "--resize",
-        type=Literal["max_pixels", "presets", "none"],
+        type=Literal["max_pixels", "max_pixels_floor", "presets", "none"],
         default="max_pixels",
-        help="Keep aspect within --max-pixels, pick the closest of --presets, or require aligned images.",
+        help="Keep aspect within --max-pixels (floor: sides rounded down, as NeMo), pick from --presets, or none.",
     )
     parser.add_argument("--max-pixels", type=int, default=1024 * 1024, help="Pixel budget per image.")
     parser.add_argument("--spatial-alignment", type=int, default=32, help="Image sides are multiples of this.")
@@ -144,6 +152,7 @@ def open_source(args: Namespace) -> EditSource:
         split=args.split,
         metadata_columns=args.metadata_columns,
         hf_cache_dir=args.hf_cache_dir,
+        condition_columns=args.condition_columns,
     )
 
 
@@ -153,9 +162,21 @@ def spec(value: Any) -> dict[str, Any]:
     return {"class_path": data["class_path"], "init_args": dict(data.get("init_args") or {})}
 
 
+def encoder_specs(args: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The image and text encoder specs: `--encoder` for both, or `--image-encoder` and `--text-encoder`."""
+    if args.encoder is not None:
+        if args.image_encoder is not None or args.text_encoder is not None:
+            raise ValueError("encoder: give either --encoder or --image-encoder with --text-encoder, not both")
+        return spec(args.encoder), spec(args.encoder)
+    if args.image_encoder is None or args.text_encoder is None:
+        raise ValueError("encoder: give --encoder (a pipeline encoder), or both --image-encoder and --text-encoder")
+    return spec(args.image_encoder), spec(args.text_encoder)
+
+
 def run_build(args: Namespace, console: Console) -> int:
     """`cache build`."""
     rank, world_size = runtime_rank(args.rank, args.world_size)
+    image_spec, text_spec = encoder_specs(args)
     options = BuildOptions(
         payload_format=args.format,
         resize=ResizePolicy(
@@ -176,8 +197,8 @@ def run_build(args: Namespace, console: Console) -> int:
     return execute(
         args.out_dir,
         source,
-        spec(args.image_encoder),
-        spec(args.text_encoder),
+        image_spec,
+        text_spec,
         options,
         console,
         rank=rank,

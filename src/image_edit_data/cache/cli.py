@@ -18,7 +18,7 @@ from .sources import BadSampleError, SequenceSource
 
 DEMO_IMAGE_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoImageEncoder", "init_args": {}}
 DEMO_TEXT_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoTextEncoder", "init_args": {}}
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeError, ImportError)
 
 
 def cache_parser() -> ArgumentParser:

@@ -3,6 +3,10 @@
 Targets and contexts of every sample in the window go into one pool, grouped by (width, height), so
 the image encoder only ever sees same-sized batches. Batches are formed in a fixed order (sizes
 sorted, then sample and slot order), so the same window always gives the same batches.
+
+A `PromptEncoder` also gets each sample's condition images, unresized: its `condition` images, or,
+when it has none, its context images as read (a diffusers edit pipeline conditions its prompt on
+the input images it is given, and resizes them itself).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .encoders import ImageEncoder, TextEncoder
+from .encoders import ImageEncoder, PromptEncoder, PromptEncoding, TextEncoder
 from .resize import ResizePolicy, to_pixels
 from .sources import MISALIGNED_IMAGE, BadSampleError, EditSource, SourceRecord
 from .writer import EncodedSample
@@ -29,6 +33,7 @@ class Prepared:
     target: Image.Image
     contexts: tuple[Image.Image, ...]
     original_pixel_shapes: Mapping[str, Any]
+    conditions: tuple[Image.Image, ...] = ()  # as read, for a prompt encoder
 
 
 def prepare(source: EditSource, position: int, policy: ResizePolicy, factor: int) -> Prepared | BadSampleError:
@@ -45,8 +50,13 @@ def prepare(source: EditSource, position: int, policy: ResizePolicy, factor: int
             images.append(policy.apply(image, factor))
         except ValueError as error:
             return BadSampleError(record.location, MISALIGNED_IMAGE, f"{what} {error}")
-    shapes = {"target": list(sample.target.size[::-1]), "contexts": [list(c.size[::-1]) for c in sample.contexts]}
-    return Prepared(record, images[0], tuple(images[1:]), shapes)
+    shapes: dict[str, Any] = {
+        "target": list(sample.target.size[::-1]),
+        "contexts": [list(c.size[::-1]) for c in sample.contexts],
+    }
+    if sample.conditions:
+        shapes["conditions"] = [list(c.size[::-1]) for c in sample.conditions]
+    return Prepared(record, images[0], tuple(images[1:]), shapes, sample.conditions or sample.contexts)
 
 
 def _name(encoder: Any) -> str:
@@ -78,41 +88,56 @@ def encode_images(
 
 
 def encode_prompts(
-    prompts: Sequence[str], encoder: TextEncoder, batch_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(embeddings `[S, D]`, mask `[S]`) per prompt, in input order."""
-    results: list[tuple[torch.Tensor, torch.Tensor]] = []
+    prompts: Sequence[str],
+    encoder: TextEncoder | PromptEncoder,
+    batch_size: int,
+    conditions: Sequence[tuple[Image.Image, ...]] = (),
+) -> list[PromptEncoding]:
+    """A `PromptEncoding` per prompt, in input order; `conditions` (one tuple per prompt) go to a `PromptEncoder`."""
+    results: list[PromptEncoding] = []
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start : start + batch_size])
-        out = encoder.encode(chunk)
+        if isinstance(encoder, PromptEncoder):
+            looks = list(conditions[start : start + batch_size]) or [()] * len(chunk)
+            out = encoder.encode_prompts(chunk, looks)
+        else:
+            out = [PromptEncoding(embeddings, mask) for embeddings, mask in encoder.encode(chunk)]
         if len(out) != len(chunk):
             raise ValueError(
                 f"text_encoder {_name(encoder)}: encode returned {len(out)} results for {len(chunk)} prompts"
             )
-        for embeddings, mask in out:
+        for item in out:
+            embeddings, mask = item.embeddings, item.mask
             if embeddings.ndim != 2 or mask.ndim != 1 or mask.shape[0] != embeddings.shape[0]:
                 raise ValueError(
                     f"text_encoder {_name(encoder)}: expected embeddings [S, D] and mask [S], "
                     f"got {list(embeddings.shape)} and {list(mask.shape)}"
                 )
-            results.append((embeddings.detach().cpu().clone(), mask.detach().cpu().clone()))
+            conditioning = {name: t.detach().cpu().clone() for name, t in item.conditioning.items()}
+            results.append(PromptEncoding(embeddings.detach().cpu().clone(), mask.detach().cpu().clone(), conditioning))
     return results
 
 
 def encode_window(
     prepared: Sequence[Prepared],
     image_encoder: ImageEncoder,
-    text_encoder: TextEncoder,
+    text_encoder: TextEncoder | PromptEncoder,
     batch_size: int,
     factor: int,
 ) -> list[EncodedSample]:
     """Encode the images and prompts of `prepared`, keeping its order."""
     images = [image for p in prepared for image in (p.target, *p.contexts)]
     latents = iter(encode_images(images, image_encoder, batch_size, factor))
-    prompts = encode_prompts([p.source.sample.prompt for p in prepared], text_encoder, batch_size)
+    prompts = encode_prompts(
+        [p.source.sample.prompt for p in prepared], text_encoder, batch_size, [p.conditions for p in prepared]
+    )
     encoded = []
-    for p, (embeddings, mask) in zip(prepared, prompts):
+    for p, prompt in zip(prepared, prompts):
         target = next(latents)
         contexts = tuple(next(latents) for _ in p.contexts)
-        encoded.append(EncodedSample(p.source, target, contexts, embeddings, mask, p.original_pixel_shapes))
+        encoded.append(
+            EncodedSample(
+                p.source, target, contexts, prompt.embeddings, prompt.mask, p.original_pixel_shapes, prompt.conditioning
+            )
+        )
     return encoded

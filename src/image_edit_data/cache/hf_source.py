@@ -44,10 +44,14 @@ class ColumnMap:
     prompt_column: str
     id_column: str | None = None
     metadata_columns: tuple[str, ...] = ()
+    condition_columns: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        """Provenance form."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        """Provenance form (without `condition_columns` when empty, as written before conditions were read)."""
+        data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+        if not self.condition_columns:
+            del data["condition_columns"]
+        return data
 
 
 def parquet_files(path: Path) -> list[Path]:
@@ -73,6 +77,7 @@ class HFDatasetSource:
         split: str | None = None,
         metadata_columns: Sequence[str] = (),
         hf_cache_dir: str | None = None,
+        condition_columns: Sequence[str] = (),
     ) -> None:
         """
         Args:
@@ -84,13 +89,20 @@ class HFDatasetSource:
             split: Split to read when `path` holds a DatasetDict with more than one split.
             metadata_columns: Columns copied into each payload's `manifest_metadata`.
             hf_cache_dir: Where `datasets` may write the Arrow files it converts parquet into.
+            condition_columns: Columns holding condition images for prompt encoders (a cell may hold a list
+                or be empty); they are not VAE-encoded.
         """
         import datasets
 
         self.path = Path(path)
         self.name = str(path)
         self.columns = ColumnMap(
-            target_column, tuple(context_columns), prompt_column, id_column, tuple(metadata_columns)
+            target_column,
+            tuple(context_columns),
+            prompt_column,
+            id_column,
+            tuple(metadata_columns),
+            tuple(condition_columns),
         )
         if not context_columns:
             raise ValueError(f"{self.name}: context_columns: expected at least one column name, got none")
@@ -109,11 +121,11 @@ class HFDatasetSource:
                 raise ValueError(f"{self.name}: split: expected one of {sorted(loaded)}, got {split!r}")
             loaded = loaded[split]
         self.split = split
-        names = [target_column, *context_columns, prompt_column, *metadata_columns]
+        names = [target_column, *context_columns, prompt_column, *metadata_columns, *condition_columns]
         missing = [c for c in [*names, id_column] if c is not None and c not in loaded.column_names]
         if missing:
             raise ValueError(f"{self.name}: columns {missing} not found; the data set has {loaded.column_names}")
-        for column in (target_column, *context_columns):
+        for column in (target_column, *context_columns, *condition_columns):
             if isinstance(loaded.features[column], datasets.Image):
                 loaded = loaded.cast_column(column, datasets.Image(decode=False))
         self.dataset = loaded
@@ -159,8 +171,13 @@ class HFDatasetSource:
                 contexts.extend(self._image(c, where, f"{column}[{i}]") for i, c in enumerate(cell))
             else:
                 contexts.append(self._image(cell, where, column))
+        conditions: list[Image.Image] = []
+        for column in self.columns.condition_columns:
+            cell = row[column]
+            cells = [] if cell is None else list(cell) if isinstance(cell, (list, tuple)) else [cell]
+            conditions.extend(self._image(c, where, f"{column}[{i}]") for i, c in enumerate(cells))
         metadata = {c: self._plain(row[c]) for c in self.columns.metadata_columns}
-        sample = RawEditSample(str(sample_id), prompt, target, tuple(contexts), metadata)
+        sample = RawEditSample(str(sample_id), prompt, target, tuple(contexts), metadata, tuple(conditions))
         return SourceRecord(position, where, sample)
 
     def _image(self, cell: Any, where: str, field: str) -> Image.Image:

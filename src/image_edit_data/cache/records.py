@@ -21,3 +21,4 @@ class RawEditSample:
     target: PIL.Image.Image  # RGB
     contexts: tuple[PIL.Image.Image, ...]  # ordered, non-empty, RGB; may differ in size from target
     metadata: Mapping[str, Any] = field(default_factory=dict)  # JSON-serialisable provenance
+    conditions: tuple[PIL.Image.Image, ...] = ()  # ordered RGB images a prompt encoder may look at; not VAE-encoded

@@ -1,7 +1,8 @@
 """How raw images are brought to encoder-ready pixel sizes, and turned into pixel tensors.
 
-Three policies: `max_pixels` keeps the aspect ratio within a pixel budget; `presets` picks the
-resolution of closest aspect ratio from a list, scales to cover it and centre-crops; `none` keeps
+Four policies: `max_pixels` keeps the aspect ratio within a pixel budget; `max_pixels_floor` does
+too, rounding each side down as NeMo Automodel's Qwen-Image-Edit preprocessor does; `presets` picks
+the resolution of closest aspect ratio from a list, scales to cover it and centre-crops; `none` keeps
 the image and requires it to be aligned already. Every result has sides that are multiples of
 both `spatial_alignment` and the image encoder's spatial factor. Target and contexts are resized
 independently by the same policy, so they may end up with different sizes.
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-ResizeMode = Literal["max_pixels", "presets", "none"]
+ResizeMode = Literal["max_pixels", "max_pixels_floor", "presets", "none"]
 
 
 @dataclass(frozen=True)
@@ -25,15 +26,15 @@ class ResizePolicy:
     """Where each image's pixel size comes from."""
 
     mode: ResizeMode = "max_pixels"
-    """`max_pixels`, `presets` or `none` (see the module docstring)."""
+    """`max_pixels`, `max_pixels_floor`, `presets` or `none` (see the module docstring)."""
     max_pixels: int = 1024 * 1024
-    """Pixel budget per image in `max_pixels` mode."""
+    """Pixel budget per image in the `max_pixels` modes."""
     spatial_alignment: int = 32
     """Every output side is a multiple of this (and of the encoder's spatial factor)."""
     presets: tuple[tuple[int, int], ...] = ()
     """(width, height) resolutions for `presets` mode."""
     upscale: bool = False
-    """In `max_pixels` mode, also enlarge images smaller than the budget (as Qwen-Image-Edit does)."""
+    """In the `max_pixels` modes, also enlarge images smaller than the budget (as Qwen-Image-Edit does)."""
 
     def alignment(self, spatial_factor: int) -> int:
         """The step every side must be a multiple of."""
@@ -44,7 +45,7 @@ class ResizePolicy:
         if self.spatial_alignment < 1:
             raise ValueError(f"spatial_alignment: expected a positive integer, got {self.spatial_alignment}")
         step = self.alignment(spatial_factor)
-        if self.mode == "max_pixels" and self.max_pixels < step * step:
+        if self.mode in ("max_pixels", "max_pixels_floor") and self.max_pixels < step * step:
             raise ValueError(
                 f"max_pixels: expected at least {step * step} (one {step}x{step} cell), got {self.max_pixels}"
             )
@@ -71,6 +72,8 @@ class ResizePolicy:
         scale = math.sqrt(self.max_pixels / (width * height))
         if not self.upscale:
             scale = min(scale, 1.0)
+        if self.mode == "max_pixels_floor":
+            return floor_to_budget(width * scale, height * scale, step, self.max_pixels)
         return fit_budget(width * scale, height * scale, step, self.max_pixels)
 
     def apply(self, image: Image.Image, spatial_factor: int) -> Image.Image:
@@ -109,6 +112,18 @@ def fit_budget(width: float, height: float, step: int, budget: int) -> tuple[int
         long_side = max(step, budget // step // step * step)
         return (step, long_side) if short_w else (long_side, step)
     return min(fits, key=lambda s: (abs(math.log(s[0] / s[1]) - aspect), -s[0] * s[1]))
+
+
+def floor_to_budget(width: float, height: float, step: int, budget: int) -> tuple[int, int]:
+    """Each side rounded down to a multiple of `step` (at least one step), then the longer one shortened to fit."""
+    out_w = max(step, math.floor(width / step) * step)
+    out_h = max(step, math.floor(height / step) * step)
+    while out_w * out_h > budget and (out_w > step or out_h > step):
+        if out_w >= out_h and out_w > step:
+            out_w -= step
+        else:
+            out_h -= step
+    return out_w, out_h
 
 
 def to_pixels(images: list[Image.Image]) -> torch.Tensor:

@@ -166,7 +166,8 @@ class JsonlManifestSource:
 
     Each object has `id`, `prompt`, an ordered `media` list of `{"role": "target"|"context"|"condition",
     "file_name": ...}` with paths relative to the manifest's directory, and an optional `metadata`
-    object. Blank lines are ignored; positions count the other lines in order.
+    object. Condition images are read for prompt encoders that look at them (Qwen-Image-Edit's
+    Qwen2.5-VL); they are not VAE-encoded. Blank lines are ignored; positions count the other lines in order.
     """
 
     def __init__(self, manifest: str | Path) -> None:
@@ -250,17 +251,15 @@ class JsonlManifestSource:
         return _Entry(line, sample_id, prompt, tuple(media), metadata)
 
     def read(self, position: int) -> SourceRecord:
-        """Open the entry's images (target, then contexts in manifest order)."""
+        """Open the entry's images: the target, the contexts and the conditions, each in manifest order."""
         entry = self.entries[position]
         if entry.error is not None:
             raise entry.error
         where = self._where(entry.line)
         target: Image.Image | None = None
         contexts: list[Image.Image] = []
+        conditions: list[Image.Image] = []
         for i, item in enumerate(entry.media):
-            # TODO(conditioning): `condition` media (e.g. masks) are not encoded yet; they pass through in `media`.
-            if item["role"] == "condition":
-                continue
             field = f"media[{i}].file_name"
             path = inside(self.root, item["file_name"], where, field)
             if not path.is_file():
@@ -268,11 +267,15 @@ class JsonlManifestSource:
             image = open_image(path, where, field)
             if item["role"] == "target":
                 target = image
-            else:
+            elif item["role"] == "context":
                 contexts.append(image)
+            else:
+                conditions.append(image)
         if target is None:  # unreachable after _parse, kept so the type is narrowed without assert
             raise BadSampleError(where, NO_TARGET, "media: no entry with role 'target'")
-        sample = RawEditSample(entry.sample_id or "", entry.prompt, target, tuple(contexts), entry.metadata or {})
+        sample = RawEditSample(
+            entry.sample_id or "", entry.prompt, target, tuple(contexts), entry.metadata or {}, tuple(conditions)
+        )
         return SourceRecord(position, where, sample, entry.media)
 
     def describe(self) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import contextlib
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +49,7 @@ class EncodedSample:
     prompt_embeddings: torch.Tensor  # [S, D]
     prompt_attention_mask: torch.Tensor  # [S]
     original_pixel_shapes: Mapping[str, Any]  # {"target": [H, W], "contexts": [[h, w], ...]} before resizing
+    conditioning: Mapping[str, torch.Tensor] = field(default_factory=dict)  # named, any shape
 
 
 def assemble(
@@ -61,12 +62,16 @@ def assemble(
     text_tokens = int(sample.prompt_attention_mask.bool().sum())
     raw = sample.source.sample
     dtype = STORE_DTYPES[store_dtype]
+    # Floating conditioning tensors are stored like the embeddings; integer ones (grids, ids) keep their dtype.
+    conditioning = {
+        name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in sample.conditioning.items()
+    }
     metadata = {
         "original_ids": {"id": raw.sample_id},
         "target_spatial_shape": list(signature.target[1:]),
         "context_spatial_shapes": [list(c[1:]) for c in signature.contexts],
         "compound_bucket_signature": signature.to_json(),
-        "conditioning_shapes": {},
+        "conditioning_shapes": {name: list(t.shape) for name, t in conditioning.items()},
         "target_token_length": target_tokens,
         "context_token_lengths": context_tokens,
         "text_token_length": text_tokens,
@@ -80,7 +85,7 @@ def assemble(
         "context_latents": [c.to(dtype).contiguous() for c in sample.context_latents],
         "prompt_embeddings": sample.prompt_embeddings.to(dtype).contiguous(),
         "prompt_attention_mask": sample.prompt_attention_mask.contiguous(),
-        "conditioning_tensors": {},
+        "conditioning_tensors": conditioning,
         "metadata": metadata,
     }
     record = {

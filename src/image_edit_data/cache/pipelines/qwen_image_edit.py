@@ -1,0 +1,116 @@
+"""Qwen-Image-Edit (2509/2511 `QwenImageEditPlusPipeline`, original `QwenImageEditPipeline`) through its pipeline.
+
+Prompt embeddings come from Qwen2.5-VL looking at the sample's condition images, via the pipeline's
+`encode_prompt(prompt, image=...)`, after the resize the pipeline applies to them before that call:
+the aspect ratio kept at a fixed pixel area (384 x 384 for the Plus pipeline, which takes several
+images; 1024 x 1024 for the original, which takes exactly one), each side rounded to a multiple of 32.
+Latents are the VAE's latent mode, normalised per channel as `(z - latents_mean) / latents_std`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+
+from ..encoders import PromptEncoding
+from ..hf_encoders import TorchDtype
+from ..pipeline_encoders import DiffusersPipelineEncoder
+
+CONDITION_AREA = {"QwenImageEditPlusPipeline": 384 * 384, "QwenImageEditPipeline": 1024 * 1024}
+CONDITION_STEP = 32
+
+
+def condition_size(width: int, height: int, area: int) -> tuple[int, int]:
+    """(width, height) of a condition image: its aspect ratio at `area` pixels, sides rounded to multiples of 32."""
+    ratio = width / height
+    scaled_width = math.sqrt(area * ratio)
+    scaled_height = scaled_width / ratio
+    return (
+        max(CONDITION_STEP, round(scaled_width / CONDITION_STEP) * CONDITION_STEP),
+        max(CONDITION_STEP, round(scaled_height / CONDITION_STEP) * CONDITION_STEP),
+    )
+
+
+class QwenImageEditEncoder(DiffusersPipelineEncoder):
+    """Qwen-Image-Edit latents and Qwen2.5-VL prompt embeddings conditioned on the sample's condition images.
+
+    Each prompt gives `[S, D]` embeddings (S real tokens after the pipeline drops its system template,
+    at most `max_sequence_length`) and an all-ones int64 mask `[S]`. Prompts are encoded one at a time,
+    as the pipeline does: each sample brings its own images. No conditioning tensors are returned.
+    """
+
+    pipeline_classes: ClassVar[tuple[str, ...]] = tuple(CONDITION_AREA)
+    components: ClassVar[tuple[str, ...]] = ("vae", "text_encoder", "tokenizer", "processor")
+
+    def __init__(
+        self,
+        path: str,
+        torch_dtype: TorchDtype = "bfloat16",
+        device: str = "cpu",
+        max_sequence_length: int = 1024,
+    ) -> None:
+        """
+        Args:
+            path: Local Qwen-Image-Edit pipeline directory (e.g. a download of Qwen/Qwen-Image-Edit-2511).
+            torch_dtype: Dtype the VAE and Qwen2.5-VL run in; results are returned in float32.
+            device: Where the models run, e.g. `cuda` (under torchrun the build selects the local GPU).
+            max_sequence_length: Prompt tokens kept (the pipeline accepts up to 1024; NeMo's preprocessor keeps 512).
+        """
+        super().__init__(path, torch_dtype, device, max_sequence_length)
+        self.condition_area = CONDITION_AREA[type(self.pipeline).__name__]
+        self.single_condition = type(self.pipeline).__name__ == "QwenImageEditPipeline"
+        vae_config = self.pipeline.vae.config
+        self.latents_mean = torch.tensor(vae_config.latents_mean).view(1, -1, 1, 1, 1)
+        self.latents_std = torch.tensor(vae_config.latents_std).view(1, -1, 1, 1, 1)
+
+    def check_environment(self, index: dict[str, Any]) -> None:
+        """Without torchvision, transformers fails obscurely to load Qwen2VLProcessor (its video processor)."""
+        from transformers.utils import is_torchvision_available
+
+        if index.get("processor") == ["transformers", "Qwen2VLProcessor"] and not is_torchvision_available():
+            raise ImportError(
+                f"{self.path / 'processor'}: transformers needs torchvision to load Qwen2VLProcessor "
+                f"(its video processor); install the torchvision build that matches your torch"
+            )
+
+    def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
+        """`(mode - latents_mean) / latents_std` in the VAE dtype, like the pipeline; images go in as 1-frame clips."""
+        latents = self.pipeline.vae.encode(pixels.unsqueeze(2)).latent_dist.mode()
+        mean = self.latents_mean.to(latents.device, latents.dtype)
+        std = self.latents_std.to(latents.device, latents.dtype)
+        return ((latents - mean) / std).squeeze(2)
+
+    def resize_condition(self, image: Image.Image) -> Image.Image:
+        """The condition image at the size the pipeline gives it, resized by the pipeline's image processor."""
+        width, height = condition_size(image.width, image.height, self.condition_area)
+        resized: Image.Image = self.pipeline.image_processor.resize(image, height, width)
+        return resized
+
+    def encode_batch(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]:
+        """Each prompt with its resized condition images through `encode_prompt`, truncated to `max_sequence_length`."""
+        results = []
+        for prompt, images in zip(prompts, conditions):
+            if not images:
+                raise ValueError(f"{type(self).__name__}: prompt {prompt!r} has no condition or context image")
+            if self.single_condition and len(images) != 1:
+                raise ValueError(
+                    f"{self.path}: QwenImageEditPipeline looks at exactly one condition image, got {len(images)} "
+                    f"for prompt {prompt!r} (QwenImageEditPlusPipeline takes several)"
+                )
+            resized = [self.resize_condition(image) for image in images]
+            embeddings, mask = self.pipeline.encode_prompt(
+                prompt=[prompt],
+                image=resized[0] if self.single_condition else resized,
+                device=self.device,
+                num_images_per_prompt=1,
+                max_sequence_length=self.max_sequence_length,
+            )
+            embeddings = embeddings[0, : self.max_sequence_length]
+            # The pipeline returns no mask when every position is a real token.
+            length = embeddings.shape[0]
+            kept = torch.ones(length, dtype=torch.int64) if mask is None else mask[0, :length]
+            results.append(PromptEncoding(embeddings, kept))
+        return results
