@@ -3,9 +3,9 @@
 Run as a script (the tests start it in a subprocess):
     python diffusers_fit_harness.py CACHE OUT --arch qwen --max-steps 8 [--devices 2] [--kill-at-step 4] [--ckpt PATH]
 The model is the tiny config's (`configs/tiny/`). OUT/rank{r}.jsonl gets one line per training batch,
-`{"step", "ids", "loss"}`; at the end of fit OUT/rank{r}.params.json holds every parameter's sum, to compare
-ranks. Checkpoints `step={s}.ckpt` go to OUT/ckpt every step; `--kill-at-step k` exits hard right after the
-step-k checkpoint is on disk (see fit_harness.py).
+`{"step", "ids", "loss"}`; OUT/rank{r}.initial.json and OUT/rank{r}.params.json hold every parameter's sum
+when training starts and when fit ends, to compare ranks. Checkpoints `step={s}.ckpt` go to OUT/ckpt every
+step; `--kill-at-step k` exits hard right after the step-k checkpoint is on disk (see fit_harness.py).
 """
 
 from __future__ import annotations
@@ -51,9 +51,16 @@ class Recorder(pl.Callback):
         with (self.out / f"rank{trainer.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.write_params(trainer, pl_module, "initial")
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sums = {name: p.detach().double().sum().item() for name, p in pl_module.named_parameters()}
-        (self.out / f"rank{trainer.global_rank}.params.json").write_text(json.dumps(sums))
+        self.write_params(trainer, pl_module, "params")
+
+    def write_params(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
+        """Write every parameter's sum to OUT/rank{r}.{name}.json."""
+        sums = {key: p.detach().double().sum().item() for key, p in pl_module.named_parameters()}
+        (self.out / f"rank{trainer.global_rank}.{name}.json").write_text(json.dumps(sums))
 
 
 def main(argv: list[str]) -> None:
