@@ -1,9 +1,12 @@
-"""Refuse a cache whose latents, prompt width or conditioning tensors do not fit the transformer, before training."""
+"""A transformer's config, read without loading weights, and the cache checked against it before training."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from image_edit_data import ImageEditDataset
 
@@ -73,3 +76,39 @@ def check_sample(where: str, sample: Mapping[str, object], expected: ExpectedInp
                 f"{where}: conditioning_tensors.{name} has shape {list(found)}, but {expected.model} expects "
                 f"{list(shape)} ({source})"
             )
+
+
+def model_directory(model_path: str) -> tuple[str, str | None]:
+    """`(directory, subfolder)` for `from_pretrained`: a pipeline root's `transformer/` or the directory itself."""
+    root = Path(model_path).expanduser()
+    if not (root / "config.json").is_file() and (root / "transformer" / "config.json").is_file():
+        return str(root), "transformer"
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"model_path {root}: no config.json here or in {root / 'transformer'}")
+    return str(root), None
+
+
+def resolve_config(cls: Any, model_path: str | None, model_config: dict[str, Any] | None) -> dict[str, Any]:
+    """The transformer's full config: its constructor's defaults overlaid with the stored or given values."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    if model_path is not None:
+        path, subfolder = model_directory(model_path)
+        raw = cls.load_config(path, subfolder=subfolder, local_files_only=True)
+    else:
+        raw = dict(model_config or {})
+    return defaults | {key: value for key, value in raw.items() if not key.startswith("_")}
+
+
+def check_packing(model: str, config: dict[str, Any]) -> None:
+    """Refuse a config whose tokens are not 2x2-packed latents (output width must equal input width)."""
+    in_channels = config["in_channels"]
+    out = config["patch_size"] ** 2 * (config.get("out_channels") or in_channels)
+    if in_channels % 4 or out != in_channels:
+        raise ValueError(
+            f"{model}: expected 2x2-packed latent tokens (in_channels a multiple of 4, equal to "
+            f"patch_size**2 * out_channels), got in_channels={in_channels}, output width {out}"
+        )
