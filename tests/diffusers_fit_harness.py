@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import yaml
 from fit_harness import KillAfterCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from image_edit_data import ImageEditDataModule
 from image_edit_data.examples.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
@@ -59,8 +60,19 @@ class Recorder(pl.Callback):
 
     def write_params(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> None:
         """Write every parameter's sum to OUT/rank{r}.{name}.json."""
-        sums = {key: p.detach().double().sum().item() for key, p in pl_module.named_parameters()}
+        # FSDP2 parameters are DTensor shards: gather each (every rank takes part) to sum the whole tensor.
+        full = {key: getattr(p, "full_tensor", p.detach)().detach() for key, p in pl_module.named_parameters()}
+        sums = {key: tensor.double().sum().item() for key, tensor in full.items()}
         (self.out / f"rank{trainer.global_rank}.{name}.json").write_text(json.dumps(sums))
+
+
+def strategy(name: str, devices: int) -> str | ModelParallelStrategy:
+    """The Trainer strategy: DDP, or FSDP2 over all ranks (ModelParallelStrategy with data parallelism only)."""
+    if devices == 1:
+        return "auto"
+    if name == "fsdp2":
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    return "ddp"
 
 
 def main(argv: list[str]) -> None:
@@ -73,6 +85,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--kill-at-step", type=int, default=None)
     parser.add_argument("--ckpt", default=None)
+    parser.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp", help="with --devices > 1")
+    parser.add_argument("--no-checkpoints", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the same float results in every run, and no oversubscription on small machines
     out = Path(args.out)
@@ -86,9 +100,11 @@ def main(argv: list[str]) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
+        strategy=strategy(args.strategy, args.devices),
         max_steps=args.max_steps,
-        callbacks=[checkpoint, Recorder(out)],
+        gradient_clip_val=1.0,  # clipping by the global norm, across shards under FSDP2
+        callbacks=[Recorder(out)] if args.no_checkpoints else [checkpoint, Recorder(out)],
+        enable_checkpointing=not args.no_checkpoints,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

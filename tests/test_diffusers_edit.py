@@ -396,25 +396,18 @@ def test_fit_runs_in_bf16(precision: str, tmp_path: Path) -> None:
     assert model.weight_dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
 
 
-@pytest.mark.parametrize(
-    ("config", "block"),
-    [("fit_qwen_image_edit.yaml", "QwenImageTransformerBlock"), ("fit_flux_kontext.yaml", "FluxTransformerBlock")],
-)
-def test_the_fsdp_strategy_of_the_shipped_config_wraps_every_transformer_block(config: str, block: str) -> None:
+@pytest.mark.parametrize("config", ["fit_qwen_image_edit.yaml", "fit_flux_kontext.yaml"])
+def test_the_shipped_configs_shard_with_fsdp2_over_every_gpu(config: str) -> None:
     from jsonargparse import ArgumentParser
-    from lightning.pytorch.strategies import FSDPStrategy, Strategy
+    from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 
     parser = ArgumentParser()
     parser.add_argument("--strategy", type=Strategy)
-    settings = yaml.safe_load((ROOT / "configs" / config).read_text())["trainer"]["strategy"]
-    strategy = parser.instantiate(parser.parse_object({"strategy": settings})).strategy
-    assert isinstance(strategy, FSDPStrategy)
-    policy = strategy.kwargs["auto_wrap_policy"]
-    model = tiny_module("qwen" if "qwen" in config else "flux")
-    model.configure_model()
-    wrapped = {type(m).__name__ for m in model.transformer.modules() if policy(m, recurse=False, nonwrapped_numel=0)}
-    assert block in wrapped
-    assert wrapped <= set(model.transformer._no_split_modules), "only whole blocks become FSDP units"
+    trainer_settings = yaml.safe_load((ROOT / "configs" / config).read_text())["trainer"]
+    strategy = parser.instantiate(parser.parse_object({"strategy": trainer_settings["strategy"]})).strategy
+    assert isinstance(strategy, ModelParallelStrategy)
+    # The module shards blocks over the data-parallel mesh only, so tensor parallelism must stay off.
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (trainer_settings["devices"], 1)
 
 
 # Real processes: a hard-killed run that resumes, and 2-process DDP on gloo.
@@ -457,19 +450,31 @@ def test_a_killed_and_resumed_run_continues_the_data_stream_and_the_loss_curve_e
 
 
 @pytest.mark.slow
-def test_two_process_ddp_trains_each_rank_on_its_own_samples_and_keeps_the_weights_in_sync(
+def test_two_process_ddp_and_fsdp2_train_each_rank_on_its_own_samples_to_the_same_weights(
     mixed_cache: Path, tmp_path: Path
 ) -> None:
-    done = harness(mixed_cache, tmp_path, "--arch", "flux", "--devices", "2", "--max-steps", "3")
-    assert done.returncode == 0, done.stderr[-3000:]
-    ranks = [records(tmp_path, rank) for rank in (0, 1)]
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        out = tmp_path / strategy
+        args = ["--arch", "flux", "--devices", "2", "--max-steps", "3", "--strategy", strategy, "--no-checkpoints"]
+        done = harness(mixed_cache, out, *args)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[strategy] = out
+    ranks = [records(runs["ddp"], rank) for rank in (0, 1)]
     assert [[r["step"] for r in rank] for rank in ranks] == [[1, 2, 3]] * 2
     for first, second in zip(*ranks):
         assert not set(first["ids"]) & set(second["ids"]), "the ranks' batches of one step share no sample"
         assert first["loss"] != second["loss"]
-    initial, final = (
-        [json.loads((tmp_path / f"rank{r}.{name}.json").read_text()) for r in (0, 1)] for name in ("initial", "params")
-    )
-    assert final[0] == final[1], "DDP keeps the replicas identical"
-    changed = [name for name in final[0] if final[0][name] != initial[0][name]]
-    assert len(changed) > len(final[0]) // 2, "and they trained"
+    assert [records(runs["fsdp2"], rank) for rank in (0, 1)] == ranks, "FSDP2 sees the same batches and losses"
+
+    def sums(strategy: str, name: str, rank: int) -> dict[str, float]:
+        return json.loads((runs[strategy] / f"rank{rank}.{name}.json").read_text())  # type: ignore[no-any-return]
+
+    final = sums("ddp", "params", 0)
+    assert sums("ddp", "params", 1) == final, "DDP keeps the replicas identical"
+    changed = [name for name in final if final[name] != sums("ddp", "initial", 0)[name]]
+    assert len(changed) > len(final) // 2, "and they trained"
+    for rank in (0, 1):
+        assert sums("fsdp2", "params", rank) == pytest.approx(final, rel=1e-5, abs=1e-6), (
+            "FSDP2 reaches the same weights"
+        )

@@ -131,6 +131,8 @@ class DiffusersEditModule(LightningModule):
             self.transformer = cls.from_config(self.transformer_config)
         if self.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
+        if self.device_mesh is not None:  # ModelParallelStrategy: shard here, as it expects
+            shard_blocks(self.transformer, self.device_mesh)
 
     def expected_inputs(self) -> ExpectedInputs:
         """What every cached sample must look like for this transformer."""
@@ -213,3 +215,20 @@ class DiffusersEditModule(LightningModule):
             optimizer, start_factor=1.0 / self.warmup_steps, total_iters=self.warmup_steps
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def shard_blocks(transformer: Any, mesh: Any) -> None:
+    """FSDP2 on the data-parallel mesh: one unit per transformer block (`_no_split_modules`), then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"ModelParallelStrategy: tensor_parallel_size must be 1 for {type(transformer).__name__}, got "
+            f"{mesh['tensor_parallel'].size()}; only data-parallel sharding (FSDP2) is applied"
+        )
+    data_parallel = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+    blocks = set(transformer._no_split_modules)
+    for module in transformer.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=data_parallel)
+    fully_shard(transformer, mesh=data_parallel)
