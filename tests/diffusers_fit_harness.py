@@ -3,7 +3,7 @@
 Run as a script (the tests start it in a subprocess):
     python diffusers_fit_harness.py CACHE OUT --arch qwen --max-steps 8 [--devices 2] [--kill-at-step 4] [--ckpt PATH]
 The model is the tiny config's (`configs/tiny/`). OUT/rank{r}.jsonl gets one line per training batch,
-`{"step", "ids", "loss"}`; OUT/rank{r}.initial.json and OUT/rank{r}.params.json hold every parameter's sum
+`{"step", "ids", "contexts", "loss"}`; OUT/rank{r}.initial.json and OUT/rank{r}.params.json hold every parameter's sum
 when training starts and when fit ends, to compare ranks. Checkpoints `step={s}.ckpt` go to OUT/ckpt every
 step; `--kill-at-step k` exits hard right after the step-k checkpoint is on disk (see fit_harness.py).
 """
@@ -48,7 +48,12 @@ class Recorder(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        line = {"step": trainer.global_step, "ids": batch["metadata"]["sample_indices"], "loss": outputs["loss"].item()}
+        line = {
+            "step": trainer.global_step,
+            "ids": batch["metadata"]["sample_indices"],
+            "contexts": len(batch["context_latents"]),
+            "loss": outputs["loss"].item(),
+        }
         with (self.out / f"rank{trainer.global_rank}.jsonl").open("a") as f:
             f.write(json.dumps(line) + "\n")
 

@@ -111,6 +111,18 @@ def captured_inputs(model: DiffusersEditModule, batch: dict[str, Any]) -> dict[s
     return seen
 
 
+def harness(cache: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run diffusers_fit_harness.py in a fresh process."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, str(HARNESS), str(cache), str(out), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+def records(out: Path, rank: int = 0) -> list[dict[str, Any]]:
+    """Every training batch a rank recorded: optimizer step, sample ids, loss."""
+    return [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
 # The batch -> model input functions, checked against the layout diffusers' pipelines use.
 
 
@@ -231,7 +243,7 @@ def test_fit_on_a_repeated_batch_learns_its_samples(arch: str, tmp_path: Path) -
     ("config", "dynamic"),
     [("fit_qwen_image_edit_tiny.yaml", False), ("fit_flux_kontext_tiny.yaml", True)],
 )
-def test_the_tiny_config_fits_batches_of_one_and_two_contexts_through_the_cli(
+def test_the_tiny_config_fits_one_and_two_context_batches_and_resumes_through_the_cli(
     config: str, dynamic: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the config writes runs/ under the working directory
@@ -245,28 +257,24 @@ def test_the_tiny_config_fits_batches_of_one_and_two_contexts_through_the_cli(
         ],
     )
     args = ["fit", "--config", str(ROOT / "configs/tiny" / config), "--data.cache_dir", str(cache)]
+    args += ["--trainer.callbacks+=diffusers_fit_harness.Recorder", "--trainer.callbacks.out", str(tmp_path)]
     if dynamic:
         args += ["--data.dynamic_batch_size", "true", "--data.batch_size", "4", "--data.quantization", "32"]
         args += ["--data.base_resolution", "[32, 32]"]
     assert main(args) == 0
-    run = yaml.safe_load((ROOT / "configs/tiny" / config).read_text())["trainer"]["default_root_dir"]
-    checkpoint = torch.load(tmp_path / run / "checkpoints" / "last.ckpt", weights_only=False)
-    assert checkpoint["global_step"] == 6
-    shapes = {(len(b["context_latents"]), b["image_latents"].shape[0]) for b in batches_of(cache, dynamic)}
-    if dynamic:
-        assert shapes == {(1, 4), (1, 1), (2, 2)}
-    else:
-        assert shapes == {(1, 2), (2, 2)}
+    trained = {(r["contexts"], len(r["ids"])) for r in records(tmp_path)}
+    assert trained == ({(1, 4), (1, 1), (2, 2)} if dynamic else {(1, 2), (2, 2)})
 
-
-def batches_of(cache: Path, dynamic: bool) -> list[dict[str, Any]]:
-    """One epoch of the batches the CLI run above trained on."""
-    datamodule = ImageEditDataModule(
-        str(cache), 4 if dynamic else 2, num_workers=0, pin_memory=False, quantization=32 if dynamic else 64,
-        base_resolution=(32, 32), dynamic_batch_size=dynamic, seed=42,
-    )  # fmt: skip
-    datamodule.setup("fit")
-    return list(datamodule.train_dataloader())
+    assert main([*args, "--ckpt_path", "last", "--trainer.max_steps", "8"]) == 0
+    assert [r["step"] for r in records(tmp_path)] == list(range(1, 9)), "resumed after step 6"
+    last = tmp_path / yaml.safe_load((ROOT / "configs/tiny" / config).read_text())["trainer"]["default_root_dir"]
+    last = last / "checkpoints" / "last.ckpt"
+    module_class = QwenImageEditModule if "qwen" in config else FluxKontextModule
+    restored = module_class.load_from_checkpoint(last)
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 8
+    for name, tensor in restored.state_dict().items():
+        assert torch.equal(tensor, saved["state_dict"][name]), name
 
 
 # Bad input: refused at setup, before the weights load or a step runs.
@@ -411,18 +419,6 @@ def test_the_shipped_configs_shard_with_fsdp2_over_every_gpu(config: str) -> Non
 
 
 # Real processes: a hard-killed run that resumes, and 2-process DDP on gloo.
-
-
-def harness(cache: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run diffusers_fit_harness.py in a fresh process."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, str(HARNESS), str(cache), str(out), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-
-
-def records(out: Path, rank: int = 0) -> list[dict[str, Any]]:
-    """Every training batch a rank recorded: optimizer step, sample ids, loss."""
-    return [json.loads(line) for line in (out / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
