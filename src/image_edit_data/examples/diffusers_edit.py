@@ -31,7 +31,7 @@ class QwenImageEditModule(DiffusersEditModule):
     """
 
     transformer_class = QwenImageTransformer2DModel
-    # The released Qwen-Image scheduler_config.json.
+    # The released Qwen-Image scheduler_config.json (its shift_terminal only stretches inference schedules).
     default_shift = ResolutionShift(base_seq_len=256, max_seq_len=8192, base_shift=0.5, max_shift=0.9)
 
     def predict(

@@ -53,7 +53,7 @@ class DiffusersEditModule(LightningModule):
         learning_rate: Peak AdamW learning rate.
         weight_decay: AdamW weight decay.
         warmup_steps: Optimizer steps of linear learning-rate warmup; 0 disables it.
-        timestep_sampling: "logit_normal" (SD3, Flux and Qwen-Image training) or "uniform" draws of `sigma`.
+        timestep_sampling: "logit_normal" (SD3's scheme) or "uniform" draws of `sigma`, before the shift.
         logit_mean: Mean of the normal whose sigmoid gives `sigma` before the shift.
         logit_std: Standard deviation of that normal.
         time_shift: Apply the scheduler's resolution-dependent shift to the drawn `sigma`.
