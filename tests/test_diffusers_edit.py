@@ -221,6 +221,24 @@ def test_the_loss_ignores_the_predictions_for_context_tokens(two_context_cache: 
         hook.remove()
 
 
+@pytest.mark.parametrize("arch", ["qwen", "flux"])
+def test_every_trainable_parameter_gets_a_gradient_so_ddp_needs_no_unused_parameter_search(
+    arch: str, two_context_cache: Path
+) -> None:
+    base = tiny_module(arch)
+    model = tiny_module(arch, model_config={**base.transformer_config, "num_layers": 2})
+    model.configure_model()
+    model.flow_loss(first_batch(two_context_cache), step_generator(torch.device("cpu"), 0)).backward()
+    assert [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None] == []
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if arch == "flux":
+        assert frozen == []
+    else:  # Qwen drops the text tokens after its last block, so that block's text-stream outputs are frozen
+        last = "transformer.transformer_blocks.1."
+        assert {name.removeprefix(last).split(".")[0] for name in frozen} == {"attn", "txt_mlp"}
+        assert all(name.startswith((f"{last}attn.to_add_out.", f"{last}txt_mlp.")) for name in frozen)
+
+
 # Fit runs.
 
 
@@ -446,31 +464,32 @@ def test_a_killed_and_resumed_run_continues_the_data_stream_and_the_loss_curve_e
 
 
 @pytest.mark.slow
-def test_two_process_ddp_and_fsdp2_train_each_rank_on_its_own_samples_to_the_same_weights(
-    mixed_cache: Path, tmp_path: Path
-) -> None:
-    runs = {}
-    for strategy in ("ddp", "fsdp2"):
-        out = tmp_path / strategy
-        args = ["--arch", "flux", "--devices", "2", "--max-steps", "3", "--strategy", strategy, "--no-checkpoints"]
-        done = harness(mixed_cache, out, *args)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[strategy] = out
-    ranks = [records(runs["ddp"], rank) for rank in (0, 1)]
-    assert [[r["step"] for r in rank] for rank in ranks] == [[1, 2, 3]] * 2
+def test_two_process_ddp_and_a_killed_and_resumed_fsdp2_run_train_alike(mixed_cache: Path, tmp_path: Path) -> None:
+    common = ["--arch", "qwen", "--devices", "2", "--max-steps", "4"]
+    ddp = harness(mixed_cache, tmp_path / "ddp", *common, "--strategy", "ddp", "--no-checkpoints")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    fsdp2 = tmp_path / "fsdp2"
+    killed = harness(mixed_cache, fsdp2, *common, "--strategy", "fsdp2", "--kill-at-step", "2")
+    assert killed.returncode == 17, killed.stderr[-3000:]
+    resumed = harness(mixed_cache, fsdp2, *common, "--strategy", "fsdp2", "--ckpt", str(fsdp2 / "ckpt" / "step=2.ckpt"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    ranks = [records(tmp_path / "ddp", rank) for rank in (0, 1)]
+    assert [[r["step"] for r in rank] for rank in ranks] == [[1, 2, 3, 4]] * 2
     for first, second in zip(*ranks):
         assert not set(first["ids"]) & set(second["ids"]), "the ranks' batches of one step share no sample"
         assert first["loss"] != second["loss"]
-    assert [records(runs["fsdp2"], rank) for rank in (0, 1)] == ranks, "FSDP2 sees the same batches and losses"
+    for rank, expected in enumerate(ranks):
+        got = records(fsdp2, rank)
+        assert [(r["step"], r["ids"]) for r in got] == [(r["step"], r["ids"]) for r in expected]
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
 
-    def sums(strategy: str, name: str, rank: int) -> dict[str, float]:
-        return json.loads((runs[strategy] / f"rank{rank}.{name}.json").read_text())  # type: ignore[no-any-return]
+    def sums(run: str, name: str, rank: int) -> dict[str, float]:
+        return json.loads((tmp_path / run / f"rank{rank}.{name}.json").read_text())  # type: ignore[no-any-return]
 
     final = sums("ddp", "params", 0)
     assert sums("ddp", "params", 1) == final, "DDP keeps the replicas identical"
     changed = [name for name in final if final[name] != sums("ddp", "initial", 0)[name]]
     assert len(changed) > len(final) // 2, "and they trained"
     for rank in (0, 1):
-        assert sums("fsdp2", "params", rank) == pytest.approx(final, rel=1e-5, abs=1e-6), (
-            "FSDP2 reaches the same weights"
-        )
+        assert sums("fsdp2", "params", rank) == pytest.approx(final, rel=1e-4, abs=1e-5), "FSDP2 ends where DDP does"

@@ -34,6 +34,11 @@ class QwenImageEditModule(DiffusersEditModule):
     # The released Qwen-Image scheduler_config.json (its shift_terminal only stretches inference schedules).
     default_shift = ResolutionShift(base_seq_len=256, max_seq_len=8192, base_shift=0.5, max_shift=0.9)
 
+    def unreachable_parameters(self) -> list[torch.nn.Parameter]:
+        """The last block's text-stream output layers: the transformer drops the text tokens after that block."""
+        last = self.transformer.transformer_blocks[-1]
+        return [*last.attn.to_add_out.parameters(), *last.txt_mlp.parameters()]
+
     def predict(
         self, hidden: torch.Tensor, sigmas: torch.Tensor, batch: dict[str, Any], grids: list[tuple[int, int]]
     ) -> torch.Tensor:

@@ -129,10 +129,18 @@ class DiffusersEditModule(LightningModule):
             self.transformer = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True)
         else:
             self.transformer = cls.from_config(self.transformer_config)
+        # Parameters that cannot reach the loss would stall DDP's gradient reduction and be missing from
+        # FSDP2's optimizer checkpoints; freezing them changes nothing else (they never get a gradient).
+        for parameter in self.unreachable_parameters():
+            parameter.requires_grad_(False)
         if self.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
         if self.device_mesh is not None:  # ModelParallelStrategy: shard here, as it expects
             shard_blocks(self.transformer, self.device_mesh)
+
+    def unreachable_parameters(self) -> list[torch.nn.Parameter]:
+        """Transformer parameters whose output the model discards, frozen when it is built; none by default."""
+        return []
 
     def expected_inputs(self) -> ExpectedInputs:
         """What every cached sample must look like for this transformer."""
