@@ -173,6 +173,34 @@ def test_qwen_gets_img_shapes_from_the_signature_and_the_prompt_mask(two_context
     assert torch.equal(pack_latents(batch["context_latents"][1]), inputs["hidden_states"][:, 24:])
 
 
+class ForwardWithTxtSeqLens(torch.nn.Module):
+    """A Qwen transformer called as diffusers before PR #12702 called it: its forward also takes `txt_seq_lens`."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.txt_seq_lens: list[int] | None = None
+
+    def forward(self, txt_seq_lens: list[int], **inputs: Any) -> Any:
+        self.txt_seq_lens = txt_seq_lens
+        return self.transformer(**inputs)
+
+
+def test_older_qwen_transformers_get_txt_seq_lens_and_a_warning_that_they_ignore_the_mask(
+    two_context_cache: Path,
+) -> None:
+    model = tiny_module("qwen")
+    model.configure_model()
+    older = ForwardWithTxtSeqLens(model.transformer)
+    model.transformer = older
+    with pytest.warns(UserWarning, match=r"ignores encoder_hidden_states_mask .*padded prompt tokens"):
+        model.configure_model()
+    batch = first_batch(two_context_cache)
+    model.flow_loss(batch, step_generator(torch.device("cpu"), 0))
+    assert older.txt_seq_lens == batch["text_attention_mask"].sum(dim=1).tolist()
+    assert len(set(older.txt_seq_lens)) == 2, "the two prompts differ in length, so the lengths are per sample"
+
+
 def test_flux_gets_pooled_embeddings_kontext_ids_and_guidance(two_context_cache: Path) -> None:
     model = tiny_module("flux")
     model.configure_model()

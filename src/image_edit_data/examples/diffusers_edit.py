@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel
+from lightning.pytorch.utilities import rank_zero_warn
 
 from image_edit_data.examples.diffusers_check import ExpectedInputs
 from image_edit_data.examples.diffusers_inputs import ResolutionShift, kontext_image_ids, qwen_img_shapes
@@ -54,9 +55,19 @@ class QwenImageEditModule(DiffusersEditModule):
             "guidance": self.guidance(hidden.shape[0]),
             "return_dict": False,
         }
-        if "txt_seq_lens" in inspect.signature(self.transformer.forward).parameters:
-            inputs["txt_seq_lens"] = mask.sum(dim=1).tolist()  # diffusers < 0.36 reads text lengths from here
+        if takes_txt_seq_lens(self.transformer):
+            inputs["txt_seq_lens"] = mask.sum(dim=1).tolist()
         return self.transformer(**inputs)[0]  # type: ignore[no-any-return]
+
+    def configure_model(self) -> None:
+        """Build the transformer, and warn once if this diffusers version ignores the prompt mask."""
+        super().configure_model()
+        if takes_txt_seq_lens(self.transformer):
+            rank_zero_warn(
+                "this diffusers version's QwenImageTransformer2DModel still takes txt_seq_lens and ignores "
+                "encoder_hidden_states_mask (diffusers issue #12294, fixed by PR #12702): padded prompt tokens "
+                "take part in attention. Upgrade diffusers to mask them."
+            )
 
 
 class FluxKontextModule(DiffusersEditModule):
@@ -114,3 +125,8 @@ class FluxKontextModule(DiffusersEditModule):
             return_dict=False,
         )
         return out[0]  # type: ignore[no-any-return]
+
+
+def takes_txt_seq_lens(transformer: Any) -> bool:
+    """Whether the forward takes `txt_seq_lens` (diffusers before PR #12702 read the text length from it)."""
+    return "txt_seq_lens" in inspect.signature(transformer.forward).parameters
