@@ -1,0 +1,242 @@
+"""`DiffusersEditModule`: a diffusers edit transformer trained with flow matching on the package's batches.
+
+Flow matching as those models were trained (rectified flow): `x_t = (1 - sigma) * x0 + sigma * noise`, the
+transformer predicts the velocity `noise - x0`, and the loss is its mean squared error over the target's tokens
+only (context tokens are conditioning). `sigma` is drawn logit-normal (SD3's `logit_normal` weighting scheme,
+mean 0, std 1) and then moved by the resolution-dependent exponential shift of the model's scheduler, the
+same `mu` the pipelines use at inference; `timestep_sampling="uniform"` and `time_shift=False` switch either off.
+
+Latents `[B, C, H, W]` are packed into 2x2 patches, `[B, HW/4, 4C]`; the noisy target's tokens come first,
+then each context's, as in `QwenImageEditPlusPipeline` and `FluxKontextPipeline`. Noise and times of a step
+are drawn from a generator seeded by (`noise_seed`, global step, batch index, rank), so a resumed run continues
+the loss curve of an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+
+from image_edit_data import ImageEditDataset
+from image_edit_data.examples.diffusers_check import (
+    ExpectedInputs,
+    check_cache,
+    check_packing,
+    model_directory,
+    resolve_config,
+)
+from image_edit_data.examples.diffusers_inputs import (
+    ResolutionShift,
+    TimestepSampling,
+    pack_latents,
+    packed_grids,
+    sample_sigmas,
+    step_generator,
+)
+
+
+class DiffusersEditModule(LightningModule):
+    """A diffusers edit transformer trained with flow matching on our batches; subclasses fit one architecture.
+
+    The transformer is built in `configure_model` (after `setup` has checked the cache against its config, and
+    inside the strategy's init context, so FSDP can shard it). Precision is the Trainer's `precision`
+    (`bf16-mixed`, `bf16-true`, ...): inputs are cast to the weights' dtype, the loss is computed in float32.
+
+    Args:
+        model_path: Local directory of the transformer (its `config.json` and weights), or of a whole pipeline
+            with a `transformer/` subfolder. Loaded with `local_files_only=True`.
+        model_config: A transformer config (the keys of its `config.json`) to build a randomly initialised model
+            from, instead of `model_path`.
+        learning_rate: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Optimizer steps of linear learning-rate warmup; 0 disables it.
+        timestep_sampling: "logit_normal" (SD3's scheme) or "uniform" draws of `sigma`, before the shift.
+        logit_mean: Mean of the normal whose sigmoid gives `sigma` before the shift.
+        logit_std: Standard deviation of that normal.
+        time_shift: Apply the scheduler's resolution-dependent shift to the drawn `sigma`.
+        base_seq_len: Shift anchor: target tokens at which `mu = base_shift`; None takes the architecture's value.
+        max_seq_len: Shift anchor: target tokens at which `mu = max_shift`; None takes the architecture's value.
+        base_shift: `mu` at `base_seq_len`; None takes the architecture's value.
+        max_shift: `mu` at `max_seq_len`; None takes the architecture's value.
+        guidance_scale: Embedded guidance fed to guidance-distilled models (`guidance_embeds` in the config).
+        gradient_checkpointing: Recompute each transformer block in the backward pass to save activation memory.
+        noise_seed: Seed of every step's noise and times, combined with the step, batch index and rank.
+    """
+
+    transformer_class: ClassVar[Any]
+    default_shift: ClassVar[ResolutionShift]
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        learning_rate: float = 1e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        timestep_sampling: TimestepSampling = "logit_normal",
+        logit_mean: float = 0.0,
+        logit_std: float = 1.0,
+        time_shift: bool = True,
+        base_seq_len: int | None = None,
+        max_seq_len: int | None = None,
+        base_shift: float | None = None,
+        max_shift: float | None = None,
+        guidance_scale: float = 3.5,
+        gradient_checkpointing: bool = False,
+        noise_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if (model_path is None) == (model_config is None):
+            raise ValueError("set exactly one of model_path (a local model directory) and model_config (a dict)")
+        if timestep_sampling not in ("logit_normal", "uniform"):
+            raise ValueError(f"timestep_sampling: expected 'logit_normal' or 'uniform', got {timestep_sampling!r}")
+        self.save_hyperparameters()
+        self.model_path = model_path
+        self.transformer_config = resolve_config(self.transformer_class, model_path, model_config)
+        check_packing(self.transformer_class.__name__, self.transformer_config)
+        self.learning_rate = learning_rate
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
+        self.timestep_sampling: TimestepSampling = timestep_sampling
+        self.logit_mean = logit_mean
+        self.logit_std = logit_std
+        default = self.default_shift
+        self.shift = (
+            ResolutionShift(
+                base_seq_len=default.base_seq_len if base_seq_len is None else base_seq_len,
+                max_seq_len=default.max_seq_len if max_seq_len is None else max_seq_len,
+                base_shift=default.base_shift if base_shift is None else base_shift,
+                max_shift=default.max_shift if max_shift is None else max_shift,
+            )
+            if time_shift
+            else None
+        )
+        self.guidance_scale = guidance_scale
+        self.gradient_checkpointing = gradient_checkpointing
+        self.noise_seed = noise_seed
+        self.transformer: Any = None
+
+    def configure_model(self) -> None:
+        """Load or build the transformer once (Lightning calls this on every rank, under the strategy's context)."""
+        if self.transformer is not None:
+            return
+        cls = self.transformer_class
+        if self.model_path is not None:
+            path, subfolder = model_directory(self.model_path)
+            self.transformer = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True)
+        else:
+            self.transformer = cls.from_config(self.transformer_config)
+        # Parameters that cannot reach the loss would stall DDP's gradient reduction and be missing from
+        # FSDP2's optimizer checkpoints; freezing them changes nothing else (they never get a gradient).
+        for parameter in self.unreachable_parameters():
+            parameter.requires_grad_(False)
+        if self.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+        if self.device_mesh is not None:  # ModelParallelStrategy: shard here, as it expects
+            shard_blocks(self.transformer, self.device_mesh)
+
+    def unreachable_parameters(self) -> list[torch.nn.Parameter]:
+        """Transformer parameters whose output the model discards, frozen when it is built; none by default."""
+        return []
+
+    def expected_inputs(self) -> ExpectedInputs:
+        """What every cached sample must look like for this transformer."""
+        return ExpectedInputs(
+            model=self.transformer_class.__name__,
+            latent_channels=self.transformer_config["in_channels"] // 4,
+            latent_channels_source=f"in_channels {self.transformer_config['in_channels']} / 4, 2x2 packing",
+            text_width=self.transformer_config["joint_attention_dim"],
+        )
+
+    def setup(self, stage: str) -> None:
+        """Check the datamodule's caches against the transformer's config before any weights load or step runs."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        for name in ("train_dataset", "val_dataset"):
+            dataset = getattr(datamodule, name, None)
+            if isinstance(dataset, ImageEditDataset):
+                check_cache(dataset, self.expected_inputs())
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The transformer's parameter dtype, which inputs are cast to."""
+        return next(self.transformer.parameters()).dtype  # type: ignore[no-any-return]
+
+    def flow_loss(self, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
+        """Velocity MSE on the target tokens at sampled noise levels; `generator` draws noise and `sigma`."""
+        dtype = self.weight_dtype
+        x0 = batch["image_latents"].to(self.device, torch.float32)
+        contexts = [c.to(self.device, dtype) for c in batch["context_latents"]]
+        grids = packed_grids(x0, contexts)
+        sigmas = sample_sigmas(
+            x0.shape[0],
+            grids[0][0] * grids[0][1],
+            generator,
+            self.timestep_sampling,
+            self.logit_mean,
+            self.logit_std,
+            self.shift,
+        )
+        noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=torch.float32)
+        noise = noise.to(self.device)
+        s = sigmas.to(self.device)[:, None, None, None]
+        noisy = pack_latents(((1 - s) * x0 + s * noise).to(dtype))
+        hidden = torch.cat([noisy, *(pack_latents(c) for c in contexts)], dim=1)
+        pred = self.predict(hidden, sigmas.to(self.device, dtype), batch, grids)
+        return F.mse_loss(pred[:, : noisy.shape[1]].float(), pack_latents(noise - x0))
+
+    def predict(
+        self, hidden: torch.Tensor, sigmas: torch.Tensor, batch: dict[str, Any], grids: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """The transformer's output tokens `[B, tokens, 4C]` for packed target-then-context tokens `hidden`."""
+        raise NotImplementedError(f"{type(self).__name__} must say how its transformer is called")
+
+    def guidance(self, batch_size: int) -> torch.Tensor | None:
+        """`guidance_scale` per sample for guidance-distilled transformers, else None."""
+        if not self.transformer_config.get("guidance_embeds"):
+            return None
+        return torch.full((batch_size,), self.guidance_scale, device=self.device, dtype=torch.float32)
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """One flow-matching step; logs `train/loss`."""
+        generator = step_generator(self.device, self.noise_seed, self.global_step, batch_idx, self.global_rank)
+        loss = self.flow_loss(batch, generator)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch["image_latents"].shape[0])
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        """Flow loss with noise and times fixed by `noise_seed` and the batch index; logs `val/loss`."""
+        generator = step_generator(self.device, self.noise_seed, -1, batch_idx)
+        loss = self.flow_loss(batch, generator)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["image_latents"].shape[0])
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        """AdamW over the transformer, with a linear warmup stepped per optimizer step when `warmup_steps > 0`."""
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=self.learning_rate, weight_decay=self.weight_decay)
+        if self.warmup_steps <= 0:
+            return optimizer
+        warmup = torch.optim.lr_scheduler.LinearLR(
+            optimizer, start_factor=1.0 / self.warmup_steps, total_iters=self.warmup_steps
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def shard_blocks(transformer: Any, mesh: Any) -> None:
+    """FSDP2 on the data-parallel mesh: one unit per transformer block (`_no_split_modules`), then the rest."""
+    from torch.distributed.fsdp import fully_shard
+
+    if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"ModelParallelStrategy: tensor_parallel_size must be 1 for {type(transformer).__name__}, got "
+            f"{mesh['tensor_parallel'].size()}; only data-parallel sharding (FSDP2) is applied"
+        )
+    data_parallel = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+    blocks = set(transformer._no_split_modules)
+    for module in transformer.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=data_parallel)
+    fully_shard(transformer, mesh=data_parallel)
