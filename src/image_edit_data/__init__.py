@@ -11,10 +11,10 @@ from .collate import collate_image_edit
 from .corrupt import TooManyCorruptSamplesError
 from .datamodule import ImageEditDataModule
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
+from .errors import CacheFormatError
 from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from .monitor import ImageEditDataMonitor
 from .sampler import BucketBatchSampler, ResumeMismatchError
-from .validate import CacheFormatError
 
 __all__ = [
     "BucketBatchSampler",
