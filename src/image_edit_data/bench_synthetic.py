@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .atomic import write_text_atomic
+from ._atomic import write_text_atomic
 from .buckets import Shape3, Signature
 from .index import MANIFEST
 from .payload import PayloadFormat, save_payload

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import write_bytes_atomic
+from ._atomic import write_bytes_atomic
 from .buckets import Signature
 from .index import MANIFEST, CacheIndex, load_index, load_manifest
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save as save_safetensors_bytes
 
-from .atomic import write_bytes_atomic
+from ._atomic import write_bytes_atomic
 from .errors import fail, show
 from .file_tensor import FileTensor
 from .paths import open_regular

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import write_text_atomic
+from .._atomic import write_text_atomic
 from ..dataset import ImageEditDataset
 from ..index import MANIFEST
 from ..payload import PayloadFormat, save_payload

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_text_atomic
+from .._atomic import write_text_atomic
 from ..index import MANIFEST
 from .journal import JournalReader, failures
 
