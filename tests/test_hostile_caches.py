@@ -870,7 +870,7 @@ def nested_tuple(depth: int) -> tuple[object, ...]:
     ],
 )
 def test_metadata_bounds_count_every_container_kind(value: object, problem: str | None) -> None:
-    from image_edit_data.validate import bounded
+    from image_edit_data.contract.validate import bounded
 
     if problem is None:
         bounded(value, "f.safetensors", "metadata")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ._atomic import write_text_atomic
-from .buckets import Shape3, Signature
+from .contract.signature import Shape3, Signature
 from .index import MANIFEST
 from .payload import PayloadFormat, save_payload
 

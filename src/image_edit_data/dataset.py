@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from . import validate
-from .buckets import Signature
 from .collate import AssembledSamples, collate_image_edit
+from .contract import validate
+from .contract.paths import ContainedOpener
+from .contract.signature import Signature
 from .corrupt import CorruptPolicy, SkipLog
 from .index import CacheIndex
 from .index_store import open_index
-from .paths import ContainedOpener
 from .payload import OpenPayload, materialized, open_payload
 
 

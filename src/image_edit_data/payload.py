@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 
 from ._atomic import write_bytes_atomic
+from .contract.paths import open_regular
 from .errors import fail, show
 from .file_tensor import FileTensor
-from .paths import open_regular
 from .pt_in_file import in_file_fields, torch_notes_storage_offsets
 from .pt_structure import structure_on_meta
 from .safetensors_header import read_header

@@ -10,7 +10,7 @@ from jsonargparse import Namespace
 from rich.console import Console
 from rich.table import Table
 
-from ..buckets import Signature
+from ..contract.signature import Signature
 from ..index import UNKNOWN, CacheIndex, load_index
 from .writer import token_count
 

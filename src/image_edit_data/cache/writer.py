@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..buckets import Signature
+from ..contract.signature import Signature
 from ..payload import PayloadFormat, save_payload
 from .sources import SourceRecord
 

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import fail, show
+from ..errors import fail, show
 
 MAX_PATH_BYTES = 4096  # Linux PATH_MAX; a longer path cannot be opened, only echoed in errors
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from .buckets import Signature
-from .errors import CacheFormatError as CacheFormatError  # re-exported: the contract's error
-from .errors import fail, show
-from .file_tensor import FileTensor
+from ..errors import CacheFormatError as CacheFormatError  # re-exported: the contract's error
+from ..errors import fail, show
+from ..file_tensor import FileTensor
+from .signature import Signature
 
 MAX_COUNT = 2**31 - 1  # token counts are stored as int32 in the index
 MAX_DIM = 2**63 - 1  # torch sizes are int64; a larger dimension can never match a tensor
