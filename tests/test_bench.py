@@ -32,7 +32,7 @@ from image_edit_data.bench_synthetic import (
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.index import load_index
 from image_edit_data.index_store import open_index
-from image_edit_data.payload import load_payload
+from image_edit_data.payload.payload import load_payload
 
 TINY = ["--latent", "4x8x8", "--prompt", "8x16", "--memcpy-mib", "16"]
 # Where the reference loader may be unpacked (`pip download nemo-automodel`, unzip); it may also be installed.

@@ -29,7 +29,7 @@ from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEd
 from image_edit_data.cache.cli import cache_main
 from image_edit_data.index import MAX_MANIFEST_BYTES
 from image_edit_data.index_store import candidate_paths, serialize, store_key
-from image_edit_data.payload import to_safetensors
+from image_edit_data.payload.payload import to_safetensors
 
 SIGNATURE = {"target": [4, 8, 8], "contexts": [[4, 8, 8]]}
 PT = "samples/sample_00000000.pt"

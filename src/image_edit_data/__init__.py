@@ -8,12 +8,12 @@ wires it all into Lightning with exact resume.
 """
 
 from .collate import collate_image_edit
-from .corrupt import TooManyCorruptSamplesError
 from .datamodule import ImageEditDataModule
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
 from .errors import CacheFormatError
 from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from .monitor import ImageEditDataMonitor
+from .payload.corrupt import TooManyCorruptSamplesError
 from .sampler import BucketBatchSampler, ResumeMismatchError
 
 __all__ = [

@@ -21,7 +21,7 @@ import torch
 
 from .bench_synthetic import write_index
 from .index import CacheIndex
-from .payload import load_payload, save_payload
+from .payload.payload import load_payload, save_payload
 
 REFERENCE_MODULE = "nemo_automodel.components.datasets.diffusion.image_edit_dataset"
 INSTALL = "pip install --no-deps nemo-automodel"

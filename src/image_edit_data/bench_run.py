@@ -39,7 +39,7 @@ from .bench_workers import run_epochs
 from .index import CacheIndex
 from .index_store import open_index
 from .loader import ImageEditDataloaderConfig
-from .payload import format_of
+from .payload.payload import format_of
 
 RESULTS_VERSION = 2
 

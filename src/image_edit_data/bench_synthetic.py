@@ -22,7 +22,7 @@ import torch
 from ._atomic import write_text_atomic
 from .contract.signature import Shape3, Signature
 from .index import MANIFEST
-from .payload import PayloadFormat, save_payload
+from .payload.payload import PayloadFormat, save_payload
 
 Progress = Callable[[Iterable[int]], Iterable[int]]
 # (latent [C, H, W] of the target and each context, prompt [S, D]); 16-channel latents at 8x downsampling,

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from .batch_buffer import BatchBuffer
-from .file_tensor import FileTensor
+from .payload.file_tensor import FileTensor
 from .shared_batch import SharedBatch
 
 ALIGNMENT = 64  # every batch tensor starts on a cache line, so typed views of the buffer are aligned

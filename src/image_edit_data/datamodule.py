@@ -15,11 +15,11 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
-from .corrupt import CorruptPolicy
 from .dataset import ImageEditDataset
 from .index import MANIFEST
 from .lightning_loader import LightningLoader
 from .loader import ImageEditDataloaderConfig
+from .payload.corrupt import CorruptPolicy
 from .plan import BucketOrder
 from .sampler import ResumeMismatchError, migrate_state
 

@@ -13,10 +13,10 @@ from .collate import AssembledSamples, collate_image_edit
 from .contract import validate
 from .contract.paths import ContainedOpener
 from .contract.signature import Signature
-from .corrupt import CorruptPolicy, SkipLog
 from .index import CacheIndex
 from .index_store import open_index
-from .payload import OpenPayload, materialized, open_payload
+from .payload.corrupt import CorruptPolicy, SkipLog
+from .payload.payload import OpenPayload, materialized, open_payload
 
 
 class ImageEditDataset(Dataset):

@@ -17,7 +17,7 @@ from pathlib import Path
 from .._atomic import write_text_atomic
 from ..dataset import ImageEditDataset
 from ..index import MANIFEST
-from ..payload import PayloadFormat, save_payload
+from ..payload.payload import PayloadFormat, save_payload
 from .merge import shard_name
 
 RECORDS_PER_SHARD = 10_000

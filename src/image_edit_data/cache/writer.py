@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from ..contract.signature import Signature
-from ..payload import PayloadFormat, save_payload
+from ..payload.payload import PayloadFormat, save_payload
 from .sources import SourceRecord
 
 StoreDtype = Literal["float32", "bfloat16", "float16"]

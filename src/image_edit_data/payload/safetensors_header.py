@@ -14,7 +14,7 @@ from typing import NoReturn
 
 import torch
 
-from .errors import fail
+from ..errors import fail
 from .file_tensor import FileTensor
 
 DTYPES = {

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .errors import fail
-from .file_tensor import FileTensor
+from ...errors import fail
+from ..file_tensor import FileTensor
 
 TENSOR_FIELDS = ("target_latent", "prompt_embeddings", "prompt_attention_mask")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import fail
+from ..errors import fail
 
 
 @dataclass(frozen=True, slots=True)

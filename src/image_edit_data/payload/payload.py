@@ -21,14 +21,14 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import save as save_safetensors_bytes
 
-from ._atomic import write_bytes_atomic
-from .contract.paths import open_regular
-from .errors import fail, show
+from .._atomic import write_bytes_atomic
+from ..contract.paths import open_regular
+from ..errors import fail, show
 from .file_tensor import FileTensor
-from .pt_in_file import in_file_fields, torch_notes_storage_offsets
-from .pt_structure import structure_on_meta
 from .safetensors_header import read_header
-from .torch_zip import ZipEntry, stored_data_ranges, zip_entries
+from .torch_save.pt_in_file import in_file_fields, torch_notes_storage_offsets
+from .torch_save.pt_structure import structure_on_meta
+from .torch_save.torch_zip import ZipEntry, stored_data_ranges, zip_entries
 
 PayloadFormat = Literal["pt", "safetensors"]
 FORMAT_KEY = "image_edit_data.format"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from .errors import CacheFormatError
+from ..errors import CacheFormatError
 
 log = logging.getLogger(__name__)
 CorruptPolicy = Literal["raise", "skip"]
