@@ -30,8 +30,8 @@ from image_edit_data.bench_synthetic import (
     write_synthetic_cache,
 )
 from image_edit_data.dataset import ImageEditDataset
-from image_edit_data.index import load_index
-from image_edit_data.index_store import open_index
+from image_edit_data.index.index import load_index
+from image_edit_data.index.store import open_index
 from image_edit_data.payload.payload import load_payload
 
 TINY = ["--latent", "4x8x8", "--prompt", "8x16", "--memcpy-mib", "16"]

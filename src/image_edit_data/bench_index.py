@@ -21,7 +21,7 @@ from typing import Any
 
 from .bench_measure import Step, load_average, rss_bytes
 from .dataset import ImageEditDataset
-from .index_store import candidate_paths, store_key
+from .index.store import candidate_paths, store_key
 
 Opener = Callable[[str], Sized]
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .bench_synthetic import write_index
-from .index import CacheIndex
+from .index.index import CacheIndex
 from .payload.payload import load_payload, save_payload
 
 REFERENCE_MODULE = "nemo_automodel.components.datasets.diffusion.image_edit_dataset"

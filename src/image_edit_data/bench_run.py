@@ -36,8 +36,8 @@ from .bench_reference import (
     write_pt_twin_index,
 )
 from .bench_workers import run_epochs
-from .index import CacheIndex
-from .index_store import open_index
+from .index.index import CacheIndex
+from .index.store import open_index
 from .loader import ImageEditDataloaderConfig
 from .payload.payload import format_of
 

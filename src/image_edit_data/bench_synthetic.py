@@ -21,7 +21,7 @@ import torch
 
 from ._atomic import write_text_atomic
 from .contract.signature import Shape3, Signature
-from .index import MANIFEST
+from .index.index import MANIFEST
 from .payload.payload import PayloadFormat, save_payload
 
 Progress = Callable[[Iterable[int]], Iterable[int]]

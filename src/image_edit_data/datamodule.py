@@ -16,7 +16,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 
 from .dataset import ImageEditDataset
-from .index import MANIFEST
+from .index.index import MANIFEST
 from .lightning_loader import LightningLoader
 from .loader import ImageEditDataloaderConfig
 from .payload.corrupt import CorruptPolicy

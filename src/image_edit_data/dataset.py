@@ -13,8 +13,8 @@ from .collate import AssembledSamples, collate_image_edit
 from .contract import validate
 from .contract.paths import ContainedOpener
 from .contract.signature import Signature
-from .index import CacheIndex
-from .index_store import open_index
+from .index.index import CacheIndex
+from .index.store import open_index
 from .payload.corrupt import CorruptPolicy, SkipLog
 from .payload.payload import OpenPayload, materialized, open_payload
 

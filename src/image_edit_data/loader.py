@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .collate import collate_image_edit
 from .dataset import ImageEditDataset
-from .index_store import STORE_DIR
+from .index.store import STORE_DIR
 from .payload.corrupt import CorruptPolicy
 from .plan import BucketOrder
 from .sampler import BucketBatchSampler, EvalBatchSampler, check_rank

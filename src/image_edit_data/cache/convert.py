@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .._atomic import write_text_atomic
 from ..dataset import ImageEditDataset
-from ..index import MANIFEST
+from ..index.index import MANIFEST
 from ..payload.payload import PayloadFormat, save_payload
 from .merge import shard_name
 

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..contract.signature import Signature
-from ..index import UNKNOWN, CacheIndex, load_index
+from ..index.index import UNKNOWN, CacheIndex, load_index
 from .writer import token_count
 
 

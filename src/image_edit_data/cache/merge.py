@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._atomic import write_text_atomic
-from ..index import MANIFEST
+from ..index.index import MANIFEST
 from .journal import JournalReader, failures
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._atomic import write_bytes_atomic
-from .contract.signature import Signature
+from .._atomic import write_bytes_atomic
+from ..contract.signature import Signature
 from .index import MANIFEST, CacheIndex, load_index, load_manifest
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from .contract import validate
-from .contract.paths import contained, read_regular_file, resolve_inside
-from .contract.signature import Signature, sort_key
-from .contract.validate import CacheFormatError, fail, show
+from ..contract import validate
+from ..contract.paths import contained, read_regular_file, resolve_inside
+from ..contract.signature import Signature, sort_key
+from ..contract.validate import CacheFormatError, fail, show
 
 MANIFEST = "metadata.json"
 UNKNOWN = -1  # token count not stored in the index record
