@@ -10,7 +10,7 @@ from cachefactory import tiny_cache
 from test_datamodule_resume import records, run
 
 from image_edit_data.dataset import ImageEditDataset
-from image_edit_data.sampler import BucketBatchSampler
+from image_edit_data.sampling.sampler import BucketBatchSampler
 
 pytestmark = pytest.mark.slow
 EPOCHS = 2

@@ -14,7 +14,7 @@ from .errors import CacheFormatError
 from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from .monitor import ImageEditDataMonitor
 from .payload.corrupt import TooManyCorruptSamplesError
-from .sampler import BucketBatchSampler, ResumeMismatchError
+from .sampling.sampler import BucketBatchSampler, ResumeMismatchError
 
 __all__ = [
     "BucketBatchSampler",

@@ -20,8 +20,8 @@ from .index.index import MANIFEST
 from .lightning_loader import LightningLoader
 from .loader import ImageEditDataloaderConfig
 from .payload.corrupt import CorruptPolicy
-from .plan import BucketOrder
-from .sampler import ResumeMismatchError, migrate_state
+from .sampling.plan import BucketOrder
+from .sampling.sampler import ResumeMismatchError, migrate_state
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from .collate import collate_image_edit
 from .dataset import ImageEditDataset
 from .index.store import STORE_DIR
 from .payload.corrupt import CorruptPolicy
-from .plan import BucketOrder
-from .sampler import BucketBatchSampler, EvalBatchSampler, check_rank
+from .sampling.plan import BucketOrder
+from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
