@@ -7,7 +7,7 @@ gets the same number of batches; `collate_image_edit` stacks a batch; `ImageEdit
 wires it all into Lightning with exact resume.
 """
 
-from .collate import collate_image_edit
+from .batch.collate import collate_image_edit
 from .datamodule import ImageEditDataModule
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
 from .errors import CacheFormatError

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from .collate import AssembledSamples, collate_image_edit
+from .batch.collate import AssembledSamples, collate_image_edit
 from .contract import validate
 from .contract.paths import ContainedOpener
 from .contract.signature import Signature

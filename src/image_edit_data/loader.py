@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from .collate import collate_image_edit
+from .batch.collate import collate_image_edit
 from .dataset import ImageEditDataset
 from .index.store import STORE_DIR
 from .payload.corrupt import CorruptPolicy

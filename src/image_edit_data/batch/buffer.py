@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
-from .errors import fail
-from .payload.file_tensor import FileTensor, read_into
+from ..errors import fail
+from ..payload.file_tensor import FileTensor, read_into
 from .shared_ring import Lease, worker_ring
 
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)

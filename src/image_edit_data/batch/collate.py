@@ -16,8 +16,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch.utils.data import get_worker_info
 
-from .batch_buffer import BatchBuffer
-from .payload.file_tensor import FileTensor
+from ..payload.file_tensor import FileTensor
+from .buffer import BatchBuffer
 from .shared_batch import SharedBatch
 
 ALIGNMENT = 64  # every batch tensor starts on a cache line, so typed views of the buffer are aligned
