@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from image_edit_data.datamodule import ImageEditDataModule
+from image_edit_data.lightning.datamodule import ImageEditDataModule
 
 KILLED_AFTER_CHECKPOINT = 17
 DIED_WHILE_SAVING = 18

@@ -8,11 +8,11 @@ wires it all into Lightning with exact resume.
 """
 
 from .batch.collate import collate_image_edit
-from .datamodule import ImageEditDataModule
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
 from .errors import CacheFormatError
+from .lightning.datamodule import ImageEditDataModule
+from .lightning.monitor import ImageEditDataMonitor
 from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
-from .monitor import ImageEditDataMonitor
 from .payload.corrupt import TooManyCorruptSamplesError
 from .sampling.sampler import BucketBatchSampler, ResumeMismatchError
 

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from .contract.signature import Signature
+from ..contract.signature import Signature
 
 STATE_VERSION = 1
 

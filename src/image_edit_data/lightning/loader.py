@@ -13,7 +13,7 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from .sampling.sampler import BucketBatchSampler
+from ..sampling.sampler import BucketBatchSampler
 
 
 class LightningLoader:

@@ -15,20 +15,20 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 
-from .dataset import ImageEditDataset
-from .index.index import MANIFEST
-from .lightning_loader import LightningLoader
-from .loader import ImageEditDataloaderConfig
-from .payload.corrupt import CorruptPolicy
-from .sampling.plan import BucketOrder
-from .sampling.sampler import ResumeMismatchError, migrate_state
+from ..dataset import ImageEditDataset
+from ..index.index import MANIFEST
+from ..loader import ImageEditDataloaderConfig
+from ..payload.corrupt import CorruptPolicy
+from ..sampling.plan import BucketOrder
+from ..sampling.sampler import ResumeMismatchError, migrate_state
+from .loader import LightningLoader
 
 log = logging.getLogger(__name__)
 
 
 def write_demo_cache(directory: str, num_samples: int, seed: int) -> None:
     """Build the procedural demo cache at `directory` through the same path as `image-edit-data demo-cache`."""
-    from .cache.cli import demo_cache_main
+    from ..cache.cli import demo_cache_main
 
     code = demo_cache_main([directory, "--num-samples", str(num_samples), "--seed", str(seed), "--quiet"])
     if code != 0:
