@@ -37,7 +37,7 @@ def test_unknown_command_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 def test_every_shipped_config_parses_against_the_real_cli(config: Path, tmp_path: Path) -> None:
     done = cli("fit", "--config", str(config), "--print_config", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "class_path: image_edit_data.model.ImageEditFlowModel" in done.stdout
+    assert "class_path: image_edit_data.examples.model.ImageEditFlowModel" in done.stdout
 
 
 @pytest.mark.slow

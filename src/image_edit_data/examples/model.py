@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from image_edit_data.model_blocks import (
+from .model_blocks import (
     AdaLNBlock,
     FinalLayer,
     patchify,
