@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_cache_main(rest)
     if command == "bench":
-        from .bench import bench_main
+        from .bench.command import bench_main
 
         return bench_main(rest)
     sys.stderr.write(f"image-edit-data: unknown command {command!r}\n\n{USAGE}")

@@ -23,9 +23,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .bench_measure import LOADER_NOISE, Step, load_average, private_bytes, shut_down, worker_memory, worker_pids
-from .bench_reference import build_reference
-from .loader import ImageEditDataloaderConfig
+from ..loader import ImageEditDataloaderConfig
+from .measure import LOADER_NOISE, Step, load_average, private_bytes, shut_down, worker_memory, worker_pids
+from .reference import build_reference
 
 CHECKS = 20  # private memory samples per epoch, for the highest value
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .bench_measure import Step, load_average, rss_bytes
-from .dataset import ImageEditDataset
-from .index.store import candidate_paths, store_key
+from ..dataset import ImageEditDataset
+from ..index.store import candidate_paths, store_key
+from .measure import Step, load_average, rss_bytes
 
 Opener = Callable[[str], Sized]
 

@@ -14,8 +14,12 @@ from typing import Any
 
 from rich.console import Console
 
-from .bench_index import measure_index_opens
-from .bench_measure import (
+from ..index.index import CacheIndex
+from ..index.store import open_index
+from ..loader import ImageEditDataloaderConfig
+from ..payload.payload import format_of
+from .index_opens import measure_index_opens
+from .measure import (
     Run,
     Step,
     load_average,
@@ -26,8 +30,8 @@ from .bench_measure import (
     wait_for_quiet,
     warm_page_cache,
 )
-from .bench_naive import bare_loop, naive_loader
-from .bench_reference import (
+from .naive import bare_loop, naive_loader
+from .reference import (
     build_reference,
     convert_payloads,
     payload_files,
@@ -35,11 +39,7 @@ from .bench_reference import (
     reference_version,
     write_pt_twin_index,
 )
-from .bench_workers import run_epochs
-from .index.index import CacheIndex
-from .index.store import open_index
-from .loader import ImageEditDataloaderConfig
-from .payload.payload import format_of
+from .workers import run_epochs
 
 RESULTS_VERSION = 2
 

@@ -19,10 +19,10 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ._atomic import write_text_atomic
-from .contract.signature import Shape3, Signature
-from .index.index import MANIFEST
-from .payload.payload import PayloadFormat, save_payload
+from .._atomic import write_text_atomic
+from ..contract.signature import Shape3, Signature
+from ..index.index import MANIFEST
+from ..payload.payload import PayloadFormat, save_payload
 
 Progress = Callable[[Iterable[int]], Iterable[int]]
 # (latent [C, H, W] of the target and each context, prompt [S, D]); 16-channel latents at 8x downsampling,

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset
 
-from .bench_measure import Run, load_average, plan_totals
+from .measure import Run, load_average, plan_totals
 
 
 def naive_load(path: str) -> dict[str, Any]:

@@ -26,11 +26,11 @@ from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
 from rich.progress import track
 
-from .bench_measure import LOADER_NOISE
-from .bench_reference import import_reference
-from .bench_report import render
-from .bench_run import BenchOptions, run_index_only, run_loaders, run_worker_memory
-from .bench_synthetic import (
+from .measure import LOADER_NOISE
+from .reference import import_reference
+from .report import render
+from .run import BenchOptions, run_index_only, run_loaders, run_worker_memory
+from .synthetic import (
     SyntheticSpec,
     synthetic_spec,
     write_hardlink_cache,

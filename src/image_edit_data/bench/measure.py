@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batch.buffer import usable_cores
+from ..batch.buffer import usable_cores
 
 MB = 1e6  # throughput is in MB/s of 10^6 bytes
 # Warnings said once per loader built, about the loaders and not the numbers: pin_memory without a GPU, set_vital.

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .bench_synthetic import write_index
-from .index.index import CacheIndex
-from .payload.payload import load_payload, save_payload
+from ..index.index import CacheIndex
+from ..payload.payload import load_payload, save_payload
+from .synthetic import write_index
 
 REFERENCE_MODULE = "nemo_automodel.components.datasets.diffusion.image_edit_dataset"
 INSTALL = "pip install --no-deps nemo-automodel"
