@@ -58,7 +58,7 @@ class ImageEditDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> AssembledSamples:
         """Load one batch, read straight into the batch's memory; `collate_image_edit` returns it as is.
 
-        Under the "skip" policy broken samples are dropped (see `corrupt.py`). The batch metadata
+        Under the "skip" policy broken samples are dropped (see `payload/corrupt.py`). The batch metadata
         reports what was dropped and, for batches from our sampler, `position` (epoch and step in
         the epoch plan).
         """

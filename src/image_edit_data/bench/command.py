@@ -6,7 +6,7 @@ same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader 
 with `--rounds N` every loader N times, taking turns, each reported by its fastest round.
 `--index-only` measures the index alone; `--worker-memory-index N` worker memory over an epoch of
 N records. It prints numbers only (tables, and `--json PATH`). `--make-synthetic N` first writes
-a cache of realistic sample size (`bench_synthetic`).
+a cache of realistic sample size (`synthetic.py`).
 """
 
 from __future__ import annotations

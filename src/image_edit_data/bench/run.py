@@ -146,7 +146,7 @@ Measure = tuple[tuple[str, int | None], str, Callable[[], Run]]  # (loader, work
 def run_loaders(
     cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
 ) -> dict[str, Any]:
-    """Index opens, memcpy, then every loader on the same cache (see `bench.py`)."""
+    """Index opens, memcpy, then every loader on the same cache (see `command.py`)."""
     results = results_frame("loaders", options, reference)
     step = stepper(console, options.wait_load)
     results["index"] = measure_index_opens(cache_dir, reference, step)  # first: children fork from a small process
