@@ -1,1 +1,5 @@
-"""examples"""
+"""Example LightningModules that train on the batch contract."""
+
+from .model import ImageEditFlowModel
+
+__all__ = ["ImageEditFlowModel"]
