@@ -1,0 +1,14 @@
+"""Deprecated: moved to `image_edit_data.lightning.datamodule`; kept for one release so configs keep working."""
+
+import warnings
+
+from .lightning.datamodule import ImageEditDataModule
+
+__all__ = ["ImageEditDataModule"]
+
+warnings.warn(
+    "image_edit_data.datamodule is deprecated and goes away in the next release; "
+    "use image_edit_data.lightning.datamodule",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -1,0 +1,14 @@
+"""Deprecated: moved to `image_edit_data.lightning.loader`; kept for one release so configs keep working."""
+
+import warnings
+
+from .lightning.loader import LightningLoader
+
+__all__ = ["LightningLoader"]
+
+warnings.warn(
+    "image_edit_data.lightning_loader is deprecated and goes away in the next release; "
+    "use image_edit_data.lightning.loader",
+    DeprecationWarning,
+    stacklevel=2,
+)

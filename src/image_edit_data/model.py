@@ -1,0 +1,13 @@
+"""Deprecated: moved to `image_edit_data.examples.model`; kept for one release so configs keep working."""
+
+import warnings
+
+from .examples.model import ImageEditFlowModel
+
+__all__ = ["ImageEditFlowModel"]
+
+warnings.warn(
+    "image_edit_data.model is deprecated and goes away in the next release; use image_edit_data.examples.model",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -1,0 +1,13 @@
+"""Deprecated: moved to `image_edit_data.lightning.monitor`; kept for one release so configs keep working."""
+
+import warnings
+
+from .lightning.monitor import ImageEditDataMonitor
+
+__all__ = ["ImageEditDataMonitor"]
+
+warnings.warn(
+    "image_edit_data.monitor is deprecated and goes away in the next release; use image_edit_data.lightning.monitor",
+    DeprecationWarning,
+    stacklevel=2,
+)
