@@ -112,8 +112,8 @@ class BatchBuffer:
         The helper thread reads about half the bytes while this thread reads the rest; both copies
         run in the kernel without the GIL. In a worker the other workers already keep the cores busy.
         """
-        big = len(files) > 1 and sum(file_bytes(parts) for parts in files) >= PARALLEL_READ_MIN_BYTES
-        helper = second_reader() if big and not self.shared else None
+        big = len(files) > 1 and sum(_file_bytes(parts) for parts in files) >= PARALLEL_READ_MIN_BYTES
+        helper = _second_reader() if big and not self.shared else None
         if helper is None:
             self.read_each(files)
             return
@@ -179,14 +179,14 @@ def halves_by_bytes(files: Sequence[Sequence[Part]]) -> tuple[list[Sequence[Part
     """Split files into two groups of about equal bytes (largest first, each to the lighter group)."""
     groups: tuple[list[Sequence[Part]], list[Sequence[Part]]] = ([], [])
     loads = [0, 0]
-    for nbytes, parts in sorted(((file_bytes(p), p) for p in files), key=lambda sized: -sized[0]):
+    for nbytes, parts in sorted(((_file_bytes(p), p) for p in files), key=lambda sized: -sized[0]):
         lighter = 0 if loads[0] <= loads[1] else 1
         groups[lighter].append(parts)
         loads[lighter] += nbytes
     return groups
 
 
-def file_bytes(parts: Sequence[Part]) -> int:
+def _file_bytes(parts: Sequence[Part]) -> int:
     """Bytes one file's tensors take."""
     return sum(tensor.nbytes for _, _, tensor in parts)
 
@@ -195,7 +195,7 @@ _READER: tuple[int, ThreadPoolExecutor] | None = None
 _READER_LOCK = threading.Lock()
 
 
-def second_reader() -> ThreadPoolExecutor | None:
+def _second_reader() -> ThreadPoolExecutor | None:
     """The one helper thread that reads files beside the calling thread, or None on a single core.
 
     Made per process: a forked child inherits the executor but not its thread.

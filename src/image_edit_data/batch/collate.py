@@ -25,7 +25,7 @@ Source = torch.Tensor | FileTensor
 Key = TypeVar("Key")
 
 
-class Field(NamedTuple):
+class _Field(NamedTuple):
     """One batch tensor: where it goes in the batch dict, its shape, and each sample's part of it."""
 
     key: str
@@ -41,7 +41,7 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return samples.batch
     if not samples:
         raise ValueError("cannot collate an empty batch")
-    fields = batch_fields(samples)
+    fields = _batch_fields(samples)
     offsets, nbytes = layout(fields)
     buffer = BatchBuffer(nbytes, shared=get_worker_info() is not None)
     tensors = [place(buffer.tensor, offset, field) for field, offset in zip(fields, offsets)]
@@ -51,29 +51,29 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if buffer.lease is not None:
             buffer.lease.cancel()
         raise
-    batch = batch_dict(samples, fields, tensors)
+    batch = _batch_dict(samples, fields, tensors)
     if not buffer.shared:
         return batch
     return SharedBatch(batch, buffer.tensor, buffer.lease, placed_keys={field.key for field in fields})
 
 
-def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
+def _batch_fields(samples: Sequence[dict[str, Any]]) -> list[_Field]:
     """The batch's tensors, after checking that every sample has the same compound signature."""
     first = samples[0]
-    check_same(samples, lambda s: form(s["target_latent"]), "target_latent shape/dtype", shown_form)
-    check_same(
+    _check_same(samples, lambda s: form(s["target_latent"]), "target_latent shape/dtype", _shown_form)
+    _check_same(
         samples,
         lambda s: tuple(form(c) for c in s["context_latents"]),
         "ordered context_latents shapes/dtypes",
-        lambda forms: ", ".join(shown_form(f) for f in forms),
+        lambda forms: ", ".join(_shown_form(f) for f in forms),
     )
-    check_same(
+    _check_same(
         samples,
         lambda s: (s["prompt_embeddings"].shape[1], s["prompt_embeddings"].dtype),
         "prompt hidden size/dtype",
         lambda hidden: f"{hidden[0]} {dtype_name(hidden[1])}",
     )
-    check_same(samples, lambda s: s["prompt_attention_mask"].dtype, "prompt_attention_mask dtype", dtype_name)
+    _check_same(samples, lambda s: s["prompt_attention_mask"].dtype, "prompt_attention_mask dtype", dtype_name)
     names = sorted(first["conditioning_tensors"])
     for i, sample in enumerate(samples[1:], start=1):
         if sorted(sample["conditioning_tensors"]) != names:
@@ -82,7 +82,7 @@ def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
                 f"{sorted(sample['conditioning_tensors'])}, sample 0 has {names}"
             )
     for name in names:
-        check_same(samples, conditioning_form(name), f"conditioning tensor {name!r} shape/dtype", shown_form)
+        _check_same(samples, _conditioning_form(name), f"conditioning tensor {name!r} shape/dtype", _shown_form)
     size = len(samples)
     longest = max(s["prompt_embeddings"].shape[0] for s in samples)
     embeddings = [s["prompt_embeddings"] for s in samples]
@@ -91,8 +91,8 @@ def batch_fields(samples: Sequence[dict[str, Any]]) -> list[Field]:
     return [
         stacked("image_latents", None, [s["target_latent"] for s in samples]),
         *(stacked("context_latents", i, [s["context_latents"][i] for s in samples]) for i in contexts),
-        Field("text_embeddings", None, (size, longest, embeddings[0].shape[1]), embeddings[0].dtype, embeddings),
-        Field("text_attention_mask", None, (size, longest), masks[0].dtype, masks),
+        _Field("text_embeddings", None, (size, longest, embeddings[0].shape[1]), embeddings[0].dtype, embeddings),
+        _Field("text_attention_mask", None, (size, longest), masks[0].dtype, masks),
         *(stacked("conditioning_tensors", n, [s["conditioning_tensors"][n] for s in samples]) for n in names),
     ]
 
@@ -102,12 +102,12 @@ def form(tensor: Source) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(tensor.shape), tensor.dtype
 
 
-def conditioning_form(name: str) -> Callable[[dict[str, Any]], tuple[tuple[int, ...], torch.dtype]]:
+def _conditioning_form(name: str) -> Callable[[dict[str, Any]], tuple[tuple[int, ...], torch.dtype]]:
     """A sample's `form` of its conditioning tensor `name`."""
     return lambda sample: form(sample["conditioning_tensors"][name])
 
 
-def shown_form(shape_and_dtype: tuple[tuple[int, ...], torch.dtype]) -> str:
+def _shown_form(shape_and_dtype: tuple[tuple[int, ...], torch.dtype]) -> str:
     """A `form` as an error message shows it: `[4, 8, 8] float32`."""
     shape, dtype = shape_and_dtype
     return f"{list(shape)} {dtype_name(dtype)}"
@@ -118,12 +118,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def stacked(key: str, name: str | int | None, sources: list[Source]) -> Field:
+def stacked(key: str, name: str | int | None, sources: list[Source]) -> _Field:
     """A field whose samples all have one shape, stacked along a new batch dimension."""
-    return Field(key, name, (len(sources), *sources[0].shape), sources[0].dtype, sources)
+    return _Field(key, name, (len(sources), *sources[0].shape), sources[0].dtype, sources)
 
 
-def check_same(
+def _check_same(
     samples: Sequence[dict[str, Any]], key: Callable[[dict[str, Any]], Key], what: str, shown: Callable[[Key], str]
 ) -> None:
     """Refuse a batch whose samples disagree on `key` (one compound signature per batch); `shown` formats a key."""
@@ -137,17 +137,17 @@ def check_same(
             )
 
 
-def layout(fields: Sequence[Field]) -> tuple[list[int], int]:
+def layout(fields: Sequence[_Field]) -> tuple[list[int], int]:
     """Byte offset of each field in the batch buffer, and the buffer's size."""
     offsets, end = [], 0
     for field in fields:
         end = -(-end // ALIGNMENT) * ALIGNMENT
         offsets.append(end)
-        end += field_bytes(field)
+        end += _field_bytes(field)
     return offsets, end
 
 
-def field_bytes(field: Field) -> int:
+def _field_bytes(field: _Field) -> int:
     """Bytes one field takes in the buffer."""
     numel = 1
     for size in field.shape:
@@ -155,13 +155,13 @@ def field_bytes(field: Field) -> int:
     return numel * field.dtype.itemsize
 
 
-def place(buffer: torch.Tensor, offset: int, field: Field) -> torch.Tensor:
+def place(buffer: torch.Tensor, offset: int, field: _Field) -> torch.Tensor:
     """The typed batch tensor of `field`: a view of its bytes in `buffer`."""
-    nbytes = field_bytes(field)
+    nbytes = _field_bytes(field)
     return buffer[offset : offset + nbytes].view(field.dtype).view(field.shape)
 
 
-def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[Field]) -> None:
+def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[_Field]) -> None:
     """Copy every sample's part of every field into the buffer, zero-padding short prompt rows.
 
     Parts still in a file are collected per file and read in file order, so the contiguous tensors
@@ -169,7 +169,7 @@ def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[Field]) -
     """
     reads: dict[int, list[tuple[int, int, FileTensor]]] = {}
     for field, offset in zip(fields, offsets):
-        row_bytes = field_bytes(field) // max(1, field.shape[0])
+        row_bytes = _field_bytes(field) // max(1, field.shape[0])
         for row, source in enumerate(field.sources):
             start = offset + row * row_bytes
             count = source.nbytes if isinstance(source, FileTensor) else source.numel() * source.element_size()
@@ -184,8 +184,8 @@ def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[Field]) -
     buffer.read_files([sorted(parts, key=lambda part: part[0]) for parts in reads.values()])
 
 
-def batch_dict(
-    samples: Sequence[dict[str, Any]], fields: Sequence[Field], tensors: Sequence[torch.Tensor]
+def _batch_dict(
+    samples: Sequence[dict[str, Any]], fields: Sequence[_Field], tensors: Sequence[torch.Tensor]
 ) -> dict[str, Any]:
     """The batch contract: tensors by key, token counts and where the batch came from."""
     by_key: dict[str, Any] = {"context_latents": [], "conditioning_tensors": {}}

@@ -87,10 +87,10 @@ def placed(value: Any, base: int, end: int) -> Any:
 
 def rebuild_batch(buffer: torch.Tensor, skeleton: dict[str, Any], placed_keys: tuple[str, ...]) -> dict[str, Any]:
     """The batch dict again, its tensors views of the received `buffer`."""
-    return {key: unplaced(value, buffer) if key in placed_keys else value for key, value in skeleton.items()}
+    return {key: _unplaced(value, buffer) if key in placed_keys else value for key, value in skeleton.items()}
 
 
-def unplaced(value: Any, buffer: torch.Tensor) -> Any:
+def _unplaced(value: Any, buffer: torch.Tensor) -> Any:
     """Inverse of `placed`."""
     if isinstance(value, Placed):
         numel = 1
@@ -99,7 +99,7 @@ def unplaced(value: Any, buffer: torch.Tensor) -> Any:
         nbytes = numel * value.dtype.itemsize
         return buffer[value.offset : value.offset + nbytes].view(value.dtype).view(value.shape)
     if isinstance(value, list):
-        return [unplaced(v, buffer) for v in value]
+        return [_unplaced(v, buffer) for v in value]
     if type(value) is dict:
-        return {k: unplaced(v, buffer) for k, v in value.items()}
+        return {k: _unplaced(v, buffer) for k, v in value.items()}
     return value

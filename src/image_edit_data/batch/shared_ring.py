@@ -24,7 +24,7 @@ CAPACITY = 8  # blocks per worker: batches in flight (prefetch) plus those the t
 FREE, LENT = 0, 1
 
 
-def shared_bytes(nbytes: int) -> torch.Tensor:
+def _shared_bytes(nbytes: int) -> torch.Tensor:
     """`nbytes` uninitialised bytes of shared memory as a flat uint8 tensor."""
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
@@ -48,7 +48,7 @@ class WorkerRing:
 
     def __init__(self) -> None:
         self.token = f"{os.getpid()}:{secrets.token_hex(8)}"
-        self.flag_tensor = shared_bytes(CAPACITY)
+        self.flag_tensor = _shared_bytes(CAPACITY)
         self.flags = self.flag_tensor.numpy()
         self.flags[:] = FREE
         self.flags_sent = False
@@ -64,7 +64,7 @@ class WorkerRing:
             slot = min(fitting, key=lambda s: self.size(s))
         elif free:  # an empty slot first, else replace the smallest free block
             slot = min(free, key=lambda s: (self.blocks[s] is not None, self.size(s)))
-            self.blocks[slot] = shared_bytes(nbytes)
+            self.blocks[slot] = _shared_bytes(nbytes)
             self.generations[slot] += 1
             self.sent[slot] = False
         else:
@@ -101,7 +101,7 @@ def worker_ring() -> WorkerRing:
     return RING
 
 
-class ReceivedRing:
+class _ReceivedRing:
     """The training process's view of one worker's ring: its flags and the blocks received so far."""
 
     def __init__(self, flags: torch.Tensor) -> None:
@@ -110,7 +110,7 @@ class ReceivedRing:
         self.blocks: dict[int, tuple[int, torch.Tensor]] = {}
 
 
-RECEIVED: dict[str, ReceivedRing] = {}
+RECEIVED: dict[str, _ReceivedRing] = {}
 
 
 def received_block(
@@ -121,8 +121,8 @@ def received_block(
     if ring is None:
         if flags is None:
             raise RuntimeError(f"a batch names worker ring {token}, which this process never received")
-        forget_exited_workers()
-        ring = RECEIVED[token] = ReceivedRing(flags)
+        _forget_exited_workers()
+        ring = RECEIVED[token] = _ReceivedRing(flags)
     if block is not None:
         ring.blocks[slot] = (generation, block)
     held_generation, held = ring.blocks.get(slot, (None, None))
@@ -138,7 +138,7 @@ def release(flags: np.ndarray, slot: int) -> None:
     flags[slot] = FREE
 
 
-def forget_exited_workers() -> None:
+def _forget_exited_workers() -> None:
     """Drop the rings of workers that have exited (their blocks live on only in batches still held)."""
     for token in list(RECEIVED):
         pid = int(token.split(":", 1)[0])

@@ -41,7 +41,7 @@ from .synthetic import (
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError)
 
 
-def bench_parser() -> ArgumentParser:
+def _bench_parser() -> ArgumentParser:
     """Options of `image-edit-data bench`."""
     parser = ArgumentParser(
         prog="image-edit-data bench",
@@ -133,9 +133,9 @@ def bench_main(argv: list[str]) -> int:
     """`image-edit-data bench ...`; returns the exit code (2 for bad options, 1 for a bad cache)."""
     console = make_console()
     try:
-        args = bench_parser().parse_args(argv)
-        options = options_from(args)
-        spec = spec_from(args)
+        args = _bench_parser().parse_args(argv)
+        options = _options_from(args)
+        spec = _spec_from(args)
         reference = import_reference(args.reference_path) if options.compare_reference else None
     except SystemExit as exit_:
         return int(exit_.code or 0)
@@ -191,7 +191,7 @@ def write_cache(args: Namespace, spec: SyntheticSpec | None, temporary: Path | N
     return write_synthetic_cache(root, args.make_synthetic, spec, progress=bar)
 
 
-def spec_from(args: Namespace) -> SyntheticSpec | None:
+def _spec_from(args: Namespace) -> SyntheticSpec | None:
     """The synthetic cache to write, or None to bench CACHE_DIR; refuses contradictory options."""
     if args.json and not Path(args.json).parent.is_dir():
         raise ValueError(f"--json: the directory of {args.json} does not exist")
@@ -210,7 +210,7 @@ def spec_from(args: Namespace) -> SyntheticSpec | None:
     return synthetic_spec(args.preset, args.latent, args.prompt, args.contexts, args.format)
 
 
-def options_from(args: Namespace) -> BenchOptions:
+def _options_from(args: Namespace) -> BenchOptions:
     """Checked options from parsed arguments."""
     workers = args.num_workers or ([2] if args.worker_memory_index is not None else [0])
     if args.worker_memory_index is not None and 0 in workers:

@@ -41,12 +41,12 @@ def forget_stored_index(root: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def open_ours(cache_dir: str) -> ImageEditDataset:
+def _open_ours(cache_dir: str) -> ImageEditDataset:
     """Our dataset, opened as a training run opens it (through the stored index when it is current)."""
     return ImageEditDataset(cache_dir)
 
 
-def open_in_child(opener: Opener, cache_dir: str, parse: bool) -> dict[str, Any]:
+def _open_in_child(opener: Opener, cache_dir: str, parse: bool) -> dict[str, Any]:
     """Time one open and trace another; run in a child process (see the module docstring)."""
     root = Path(cache_dir)
     if parse:
@@ -84,19 +84,19 @@ def open_in_child(opener: Opener, cache_dir: str, parse: bool) -> dict[str, Any]
     }
 
 
-def measure_in_child(opener: Opener, cache_dir: Path, parse: bool) -> dict[str, Any]:
-    """`open_in_child` in a forked process (in this one where there is no fork)."""
+def _measure_in_child(opener: Opener, cache_dir: Path, parse: bool) -> dict[str, Any]:
+    """`_open_in_child` in a forked process (in this one where there is no fork)."""
     if "fork" not in multiprocessing.get_all_start_methods():
-        return open_in_child(opener, str(cache_dir), parse)
+        return _open_in_child(opener, str(cache_dir), parse)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        return pool.submit(open_in_child, opener, str(cache_dir), parse).result()
+        return pool.submit(_open_in_child, opener, str(cache_dir), parse).result()
 
 
 def measure_index_opens(cache_dir: Path, reference: ModuleType | None, step: Step) -> list[dict[str, Any]]:
     """One row per open: ours parsing, ours from the store, and the reference's (when given)."""
     openers: list[tuple[str, str, Opener, bool]] = [
-        ("ours", "parse", open_ours, True),
-        ("ours", "stored", open_ours, False),
+        ("ours", "parse", _open_ours, True),
+        ("ours", "stored", _open_ours, False),
     ]
     if reference is not None:
         openers.append(("reference", "parse", reference.ImageEditDataset, False))
@@ -104,7 +104,7 @@ def measure_index_opens(cache_dir: Path, reference: ModuleType | None, step: Ste
     for loader, how, opener, parse in openers:
         with step(f"opening the index: {loader}, {how}"):
             rows.append({"loader": loader, "open": how, "load_average_1m": load_average()})
-            rows[-1].update(measure_in_child(opener, cache_dir, parse))
+            rows[-1].update(_measure_in_child(opener, cache_dir, parse))
     reference_seconds: float | None = rows[-1]["seconds"] if reference is not None else None
     for row in rows:
         row["seconds_over_reference"] = None if reference_seconds is None else row["seconds"] / reference_seconds

@@ -35,7 +35,7 @@ def read_proc(path: str) -> str | None:
         return None
 
 
-def proc_fields(text: str | None) -> dict[str, int]:
+def _proc_fields(text: str | None) -> dict[str, int]:
     """`Name:   123 kB` lines of a `/proc` file, in bytes."""
     fields: dict[str, int] = {}
     for line in (text or "").splitlines():
@@ -48,12 +48,12 @@ def proc_fields(text: str | None) -> dict[str, int]:
 
 def rss_bytes() -> int | None:
     """Resident set size of this process."""
-    return proc_fields(read_proc("/proc/self/status")).get("VmRSS")
+    return _proc_fields(read_proc("/proc/self/status")).get("VmRSS")
 
 
 def private_bytes(pid: int) -> int | None:
     """Unique set size of process `pid`: its `Private_*` pages, which no other process shares."""
-    fields = proc_fields(read_proc(f"/proc/{pid}/smaps_rollup"))
+    fields = _proc_fields(read_proc(f"/proc/{pid}/smaps_rollup"))
     if not fields:
         return None
     return sum(fields.get(name, 0) for name in ("Private_Clean", "Private_Dirty", "Private_Hugetlb"))
@@ -75,7 +75,7 @@ def machine_info() -> dict[str, Any]:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
-        "memory_bytes": proc_fields(read_proc("/proc/meminfo")).get("MemTotal"),
+        "memory_bytes": _proc_fields(read_proc("/proc/meminfo")).get("MemTotal"),
         "torch_version": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python_version": platform.python_version(),
@@ -130,10 +130,10 @@ def page_cache_read_rate(paths: Sequence[str], repeats: int = 3) -> dict[str, An
             finally:
                 os.close(descriptor)
 
-    return {"mb_s": best_rate(read_all, sum(sizes), repeats), "files": len(paths), "repeats": repeats}
+    return {"mb_s": _best_rate(read_all, sum(sizes), repeats), "files": len(paths), "repeats": repeats}
 
 
-def best_rate(copy: Any, nbytes: int, repeats: int) -> float:
+def _best_rate(copy: Any, nbytes: int, repeats: int) -> float:
     """Best MB/s of `repeats` calls of `copy()`, each moving `nbytes`."""
     copy()  # faults the destination's pages in, so no run pays for first touch
     best = min(timed(copy) for _ in range(repeats))
@@ -151,8 +151,8 @@ def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     """Copy rate of this machine: numpy's copy (libc memcpy, one thread) and torch's (all its threads)."""
     source = torch.ones(nbytes, dtype=torch.uint8)
     target = torch.empty_like(source)
-    single = best_rate(lambda: np.copyto(target.numpy(), source.numpy()), nbytes, repeats)
-    threaded = best_rate(lambda: target.copy_(source), nbytes, repeats)
+    single = _best_rate(lambda: np.copyto(target.numpy(), source.numpy()), nbytes, repeats)
+    threaded = _best_rate(lambda: target.copy_(source), nbytes, repeats)
     return {
         "mb_s": max(single, threaded),  # the limit: the faster of the two ways to move bytes
         "single_thread_mb_s": single,

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from .measure import Run, load_average, plan_totals
 
 
-def naive_load(path: str) -> dict[str, Any]:
+def _naive_load(path: str) -> dict[str, Any]:
     """One payload the plain way: `torch.load(weights_only=True)`, or safetensors' `load_file`."""
     if path.endswith(".safetensors"):
         return load_file(path)
@@ -27,7 +27,7 @@ def naive_load(path: str) -> dict[str, Any]:
     return loaded
 
 
-class NaiveDataset(Dataset):
+class _NaiveDataset(Dataset):
     """What one writes without this package: a list of paths and one load per sample."""
 
     def __init__(self, paths: list[str]) -> None:
@@ -37,25 +37,25 @@ class NaiveDataset(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return naive_load(self.paths[index])
+        return _naive_load(self.paths[index])
 
 
-def stack_or_pad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _stack_or_pad(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Stack equal shapes; zero-pad the first dimension (prompt length) when it differs."""
     if all(t.shape == tensors[0].shape for t in tensors):
         return torch.stack(list(tensors))
     return pad_sequence(list(tensors), batch_first=True)
 
 
-def stack_collate(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def _stack_collate(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Stack every tensor field (and each position of a list of tensors); collect the rest as lists."""
     batch: dict[str, Any] = {}
     for key, value in samples[0].items():
         values = [sample[key] for sample in samples]
         if isinstance(value, torch.Tensor):
-            batch[key] = stack_or_pad(values)
+            batch[key] = _stack_or_pad(values)
         elif isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
-            batch[key] = [stack_or_pad(group) for group in zip(*values)]
+            batch[key] = [_stack_or_pad(group) for group in zip(*values)]
         else:
             batch[key] = values
     return batch
@@ -64,9 +64,9 @@ def stack_collate(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def naive_loader(paths: list[str], plan: Iterable[list[int]], num_workers: int, prefetch_factor: int) -> DataLoader:
     """A plain DataLoader over the same files and batches: one load per sample, stacking collate."""
     return DataLoader(
-        NaiveDataset(paths),
+        _NaiveDataset(paths),
         batch_sampler=list(plan),
-        collate_fn=stack_collate,
+        collate_fn=_stack_collate,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),  # as our loader does
         prefetch_factor=prefetch_factor if num_workers else None,
@@ -74,15 +74,15 @@ def naive_loader(paths: list[str], plan: Iterable[list[int]], num_workers: int, 
 
 
 def bare_loop(paths: Sequence[str], plan: Sequence[Sequence[int]], warmup: int, sizes: Mapping[int, int]) -> Run:
-    """`naive_load` of each planned sample in a plain loop: no DataLoader, no collate."""
+    """`_naive_load` of each planned sample in a plain loop: no DataLoader, no collate."""
     for batch in plan[:warmup]:
         for i in batch:
-            naive_load(paths[i])
+            _naive_load(paths[i])
     measured = plan[warmup:]
     load = load_average()
     start = time.perf_counter()
     for batch in measured:
         for i in batch:
-            naive_load(paths[i])
+            _naive_load(paths[i])
     seconds = time.perf_counter() - start
     return Run("bare", None, len(measured), *plan_totals(measured, sizes), seconds, load_average_1m=load)

@@ -96,15 +96,15 @@ def convert_payloads(index: CacheIndex, twin: Path, samples: Iterable[int]) -> N
         relative = index.relative_path(i)
         target = twin / pt_name(relative)
         if not target.exists():
-            save_payload(target, owned(load_payload(index.payload_path(i), relative)))
+            save_payload(target, _owned(load_payload(index.payload_path(i), relative)))
 
 
-def owned(value: Any) -> Any:
+def _owned(value: Any) -> Any:
     """`value` with every tensor copied out of the file it maps, so saving it writes only its own bytes."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, dict):
-        return {key: owned(item) for key, item in value.items()}
+        return {key: _owned(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [owned(item) for item in value]
+        return [_owned(item) for item in value]
     return value

@@ -26,7 +26,7 @@ def size(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
-def signed_size(n: float | None) -> str:
+def _signed_size(n: float | None) -> str:
     """`+1.2 MB`, `-300 kB`."""
     return "n/a" if n is None else ("+" if n >= 0 else "-") + size(abs(n))
 
@@ -36,12 +36,12 @@ def seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def ratio_text(value: float | None, digits: int = 2) -> str:
+def _ratio_text(value: float | None, digits: int = 2) -> str:
     """`1.42x`, or `-` when not measured."""
     return "-" if value is None else f"{value:.{digits}f}x"
 
 
-def load_text(value: float | None) -> str:
+def _load_text(value: float | None) -> str:
     """A load average, or `-`."""
     return "-" if value is None else f"{value:.2f}"
 
@@ -51,7 +51,7 @@ def worker_memory(workers: list[dict[str, Any]], highest: bool = False) -> str:
     lines = []
     for w in workers:
         peak = f", max {size(w.get('uss_max_bytes'))}" if highest else ""
-        change = signed_size(w["uss_growth_bytes"])
+        change = _signed_size(w["uss_growth_bytes"])
         lines.append(f"{size(w['uss_start_bytes'])} -> {size(w['uss_end_bytes'])} ({change}{peak})")
     return "\n".join(lines) or "-"
 
@@ -72,7 +72,7 @@ def render(results: dict[str, Any], console: Console) -> None:
     if results["reference"]:
         reference = results["reference"]
         console.print(f"reference: nemo_automodel {reference['version']} ({reference['module']})", highlight=False)
-    console.print(cache_line(cache), highlight=False)
+    console.print(_cache_line(cache), highlight=False)
     memcpy = results["memcpy"]
     if memcpy:
         copies = f"best of {memcpy['repeats']} copies of {size(memcpy['buffer_bytes'])}"
@@ -90,14 +90,14 @@ def render(results: dict[str, Any], console: Console) -> None:
             highlight=False,
         )
     if results["index"]:
-        console.print(index_table(results["index"]))
+        console.print(_index_table(results["index"]))
     if results["runs"]:
-        console.print(loader_table(results["runs"], results["settings"], cache))
+        console.print(_loader_table(results["runs"], results["settings"], cache))
     if results["epochs"]:
-        console.print(epoch_table(results["epochs"], results["settings"], cache))
+        console.print(_epoch_table(results["epochs"], results["settings"], cache))
 
 
-def cache_line(cache: dict[str, Any]) -> str:
+def _cache_line(cache: dict[str, Any]) -> str:
     """Where the cache is and what it holds."""
     where = cache["path"] if cache.get("kept", True) else f"{cache['path']} (temporary, now removed)"
     line = f"cache: {where}: {cache['samples']:,} samples, {cache['buckets']} bucket(s)"
@@ -111,7 +111,7 @@ def cache_line(cache: dict[str, Any]) -> str:
     return line
 
 
-def index_table(rows: list[dict[str, Any]]) -> Table:
+def _index_table(rows: list[dict[str, Any]]) -> Table:
     """Open times and memory of the index, ours and the reference's."""
     table = Table(title="Index open (each in a fresh child process)", title_justify="left")
     table.add_column("loader")
@@ -127,13 +127,13 @@ def index_table(rows: list[dict[str, Any]]) -> Table:
             LOADER_NAMES[row["loader"]],
             how,
             seconds(row["seconds"]),
-            "-" if row["loader"] == "reference" else ratio_text(row["seconds_over_reference"], 3),
-            signed_size(row["rss_growth_bytes"]),
+            "-" if row["loader"] == "reference" else _ratio_text(row["seconds_over_reference"], 3),
+            _signed_size(row["rss_growth_bytes"]),
             size(row["traced_retained_bytes"]),
             f"{row['retained_bytes_per_sample']:,.1f} B",
             size(row["traced_peak_bytes"]),
             size(row["index_array_bytes"]) if row["index_array_bytes"] is not None else "-",
-            load_text(row["load_average_1m"]),
+            _load_text(row["load_average_1m"]),
         )
     table.caption = (
         "time and RSS growth: one open, the opened dataset kept; traced held/peak: tracemalloc over a second open, "
@@ -143,7 +143,7 @@ def index_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: dict[str, Any]) -> Table:
+def _loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: dict[str, Any]) -> Table:
     """Throughput of every run, with ratios and worker memory."""
     batches = f"{settings['warmup']} warm-up + {settings['measured_batches']} timed batches"
     rounds = settings.get("rounds", 1)
@@ -166,10 +166,10 @@ def loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: di
             f"{run['samples_s']:,.1f}",
             f"{run['mb_s']:,.1f}",
             f"{run['memcpy_fraction']:.1%}",
-            ratio_text(run.get("ours_over_reference")),
-            ratio_text(run.get("ours_over_naive")),
-            ratio_text(run.get("ours_over_bare")),
-            load_text(run.get("load_average_1m")),
+            _ratio_text(run.get("ours_over_reference")),
+            _ratio_text(run.get("ours_over_naive")),
+            _ratio_text(run.get("ours_over_bare")),
+            _load_text(run.get("load_average_1m")),
             *([f"{min(run['rounds_samples_s']):,.1f}"] if rounds > 1 else []),
             worker_memory(run["workers"]),
         )
@@ -184,7 +184,7 @@ def loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: di
     return table
 
 
-def epoch_table(epochs: list[dict[str, Any]], settings: dict[str, Any], cache: dict[str, Any]) -> Table:
+def _epoch_table(epochs: list[dict[str, Any]], settings: dict[str, Any], cache: dict[str, Any]) -> Table:
     """Worker memory over whole epochs."""
     table = Table(
         title=f"Worker memory over one epoch of {cache['samples']:,} records, batch size {settings['batch_size']}",
@@ -201,7 +201,7 @@ def epoch_table(epochs: list[dict[str, Any]], settings: dict[str, Any], cache: d
             f"{epoch['batches']:,}",
             f"{epoch['seconds']:.1f}",
             f"{epoch['samples_s']:,.0f}",
-            load_text(epoch["load_average_1m"]),
+            _load_text(epoch["load_average_1m"]),
             worker_memory(epoch["workers"], highest=True),
         )
     table.caption = "every record's payload is a hard link to one tiny .pt file: the index is what grows"

@@ -78,7 +78,7 @@ class BenchOptions:
             raise ValueError(f"--wait-load: expected a positive load average, got {self.wait_load}")
 
 
-def stepper(console: Console, max_load: float | None) -> Step:
+def _stepper(console: Console, max_load: float | None) -> Step:
     """Each measurement's `with step(...)`: wait until the load average is below `max_load`, show what runs."""
 
     @contextlib.contextmanager
@@ -93,7 +93,7 @@ def stepper(console: Console, max_load: float | None) -> Step:
     return step
 
 
-def results_frame(mode: str, options: BenchOptions, reference: ModuleType | None) -> dict[str, Any]:
+def _results_frame(mode: str, options: BenchOptions, reference: ModuleType | None) -> dict[str, Any]:
     """The keys every run kind reports; each fills in its own."""
     return {
         "version": RESULTS_VERSION,
@@ -110,7 +110,7 @@ def results_frame(mode: str, options: BenchOptions, reference: ModuleType | None
     }
 
 
-def cache_facts(index: CacheIndex) -> dict[str, Any]:
+def _cache_facts(index: CacheIndex) -> dict[str, Any]:
     """What the report says about the cache."""
     return {"path": str(index.root), "samples": len(index), "buckets": len(index.signatures)}
 
@@ -119,9 +119,9 @@ def run_index_only(
     cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
 ) -> dict[str, Any]:
     """Open times and memory of the index: ours parsing, ours from the store, the reference."""
-    results = results_frame("index", options, reference)
-    results["index"] = measure_index_opens(cache_dir, reference, stepper(console, options.wait_load))
-    results["cache"] = cache_facts(open_index(cache_dir))
+    results = _results_frame("index", options, reference)
+    results["index"] = measure_index_opens(cache_dir, reference, _stepper(console, options.wait_load))
+    results["cache"] = _cache_facts(open_index(cache_dir))
     results["machine"]["load_average_1m_end"] = load_average()
     return results
 
@@ -130,9 +130,9 @@ def run_worker_memory(
     cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
 ) -> dict[str, Any]:
     """Worker private memory over one whole epoch of ours and the reference."""
-    results = results_frame("worker-memory", options, reference)
-    results["cache"] = cache_facts(open_index(cache_dir))
-    step = stepper(console, options.wait_load)
+    results = _results_frame("worker-memory", options, reference)
+    results["cache"] = _cache_facts(open_index(cache_dir))
+    step = _stepper(console, options.wait_load)
     results["epochs"] = run_epochs(
         cache_dir, options.num_workers, options.batch_size, options.prefetch_factor, options.warmup, reference, step
     )
@@ -147,13 +147,13 @@ def run_loaders(
     cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
 ) -> dict[str, Any]:
     """Index opens, memcpy, then every loader on the same cache (see `command.py`)."""
-    results = results_frame("loaders", options, reference)
-    step = stepper(console, options.wait_load)
+    results = _results_frame("loaders", options, reference)
+    step = _stepper(console, options.wait_load)
     results["index"] = measure_index_opens(cache_dir, reference, step)  # first: children fork from a small process
     with step("measuring memcpy bandwidth"):
         memcpy = results["memcpy"] = memcpy_bandwidth(options.memcpy_mib << 20)
     index = open_index(cache_dir)
-    sampler = loader_config(cache_dir, options, num_workers=0).build(**build_args(options)).sampler
+    sampler = _loader_config(cache_dir, options, num_workers=0).build(**build_args(options)).sampler
     if len(sampler) <= options.warmup:
         raise ValueError(
             f"{cache_dir}: one epoch has {len(sampler)} batches of {options.batch_size}, "
@@ -170,7 +170,7 @@ def run_loaders(
 
     def ours(workers: int) -> Run:
         warm_page_cache(planned)
-        loader = loader_config(cache_dir, options, workers).build(**build_args(options)).dataloader
+        loader = _loader_config(cache_dir, options, workers).build(**build_args(options)).dataloader
         return timed_batches("ours", workers, loader, plan, options.warmup, sizes, sample_indices)
 
     def naive(workers: int) -> Run:
@@ -192,11 +192,11 @@ def run_loaders(
         measures.append((("bare", None), "a bare load loop", bare))
     with contextlib.ExitStack() as stack:
         if reference is not None:
-            measures += stack.enter_context(reference_measures(index, options, reference, len(plan), step))
-        runs = fastest_rounds(measures, options.rounds, step)
-    results["runs"] = with_ratios(runs, memcpy["mb_s"])
+            measures += stack.enter_context(_reference_measures(index, options, reference, len(plan), step))
+        runs = _fastest_rounds(measures, options.rounds, step)
+    results["runs"] = _with_ratios(runs, memcpy["mb_s"])
     results["cache"] = {
-        **cache_facts(index),
+        **_cache_facts(index),
         "epoch_batches": len(sampler),
         "formats": sorted({format_of(paths[i]) for i in sizes}),
         "mean_payload_bytes": sum(sizes.values()) / len(sizes),
@@ -206,7 +206,7 @@ def run_loaders(
     return results
 
 
-def fastest_rounds(measures: list[Measure], rounds: int, step: Step) -> dict[tuple[str, int | None], Run]:
+def _fastest_rounds(measures: list[Measure], rounds: int, step: Step) -> dict[tuple[str, int | None], Run]:
     """Each measure `rounds` times, taking turns so that a slow spell of the machine hits all alike; the fastest."""
     runs: dict[tuple[str, int | None], Run] = {}
     for round_ in range(rounds):
@@ -218,7 +218,7 @@ def fastest_rounds(measures: list[Measure], rounds: int, step: Step) -> dict[tup
 
 
 @contextlib.contextmanager
-def reference_measures(
+def _reference_measures(
     index: CacheIndex, options: BenchOptions, reference: ModuleType, batches: int, step: Step
 ) -> Iterator[list[Measure]]:
     """The reference's loader at each worker count, on the cache or (safetensors) on a `.pt` twin of it."""
@@ -252,7 +252,7 @@ def reference_measures(
             shutil.rmtree(twin, ignore_errors=True)
 
 
-def with_ratios(runs: dict[tuple[str, int | None], Run], memcpy_mb_s: float) -> list[dict[str, Any]]:
+def _with_ratios(runs: dict[tuple[str, int | None], Run], memcpy_mb_s: float) -> list[dict[str, Any]]:
     """Every run's numbers; ours also as ratios over the others at the same worker count."""
     rows = []
     for (loader, workers), run in runs.items():
@@ -275,7 +275,7 @@ def build_args(options: BenchOptions) -> dict[str, int]:
     return {"dp_rank": 0, "dp_world_size": 1, "batch_size": options.batch_size}
 
 
-def loader_config(cache_dir: Path, options: BenchOptions, num_workers: int) -> ImageEditDataloaderConfig:
+def _loader_config(cache_dir: Path, options: BenchOptions, num_workers: int) -> ImageEditDataloaderConfig:
     """Our loader as a training run would configure it, at `num_workers`."""
     return ImageEditDataloaderConfig(
         cache_dir=str(cache_dir), num_workers=num_workers, prefetch_factor=options.prefetch_factor

@@ -65,7 +65,7 @@ class SyntheticSpec:
         return 2 * latent * (1 + self.contexts) + 2 * sequence * hidden + 8 * sequence
 
 
-def parse_dims(text: str, option: str, example: str) -> tuple[int, ...]:
+def _parse_dims(text: str, option: str, example: str) -> tuple[int, ...]:
     """`16x64x64` -> (16, 64, 64), refusing anything but as many positive integers as `example` has."""
     parts = text.lower().split("x")
     rank = example.count("x") + 1
@@ -84,14 +84,14 @@ def synthetic_spec(
         raise ValueError(f"--contexts: expected a positive integer, got {contexts}")
     preset_latent, preset_prompt = PRESETS[preset]
     return SyntheticSpec(
-        latent=cast(Shape3, parse_dims(latent, "--latent", "16x64x64")) if latent else preset_latent,
-        prompt=cast(tuple[int, int], parse_dims(prompt, "--prompt", "90x3584")) if prompt else preset_prompt,
+        latent=cast(Shape3, _parse_dims(latent, "--latent", "16x64x64")) if latent else preset_latent,
+        prompt=cast(tuple[int, int], _parse_dims(prompt, "--prompt", "90x3584")) if prompt else preset_prompt,
         contexts=contexts,
         payload_format=payload_format,
     )
 
 
-def check_target(root: Path, count: int, option: str) -> None:
+def _check_target(root: Path, count: int, option: str) -> None:
     """Refuse a non-positive count or a directory that already holds something."""
     if count < 1:
         raise ValueError(f"{option}: expected a positive sample count, got {count}")
@@ -103,7 +103,7 @@ def write_synthetic_cache(
     root: Path, count: int, spec: SyntheticSpec, seed: int = 0, progress: Progress = iter
 ) -> Path:
     """Write `count` samples of `spec` as a cache under `root` (which must be empty) and return `root`."""
-    check_target(root, count, "--make-synthetic")
+    _check_target(root, count, "--make-synthetic")
     generator = torch.Generator().manual_seed(seed)
     target = torch.randn(spec.latent, generator=generator).to(torch.bfloat16)
     contexts = [torch.randn(spec.latent, generator=generator).to(torch.bfloat16) for _ in range(spec.contexts)]
@@ -115,7 +115,7 @@ def write_synthetic_cache(
             target[0, 0, 0] = i  # samples differ, at no cost per sample
             relative = f"samples/sample_{i:08d}.{spec.payload_format}"
             tensors = {"target_latent": target, "context_latents": contexts, "prompt_embeddings": embeddings}
-            save_payload(root / relative, {**tensors, **payload_fields(i, spec), "prompt_attention_mask": mask})
+            save_payload(root / relative, {**tensors, **_payload_fields(i, spec), "prompt_attention_mask": mask})
             yield record(i, relative, spec.signature, spec.prompt[0])
 
     write_index(root, records(), {"synthetic": {**asdict(spec), "samples": count}})
@@ -124,7 +124,7 @@ def write_synthetic_cache(
 
 def write_index_only_cache(root: Path, count: int, payload_format: PayloadFormat, progress: Progress = iter) -> Path:
     """Write metadata.json and shards of `count` records over a few buckets, and no payloads."""
-    check_target(root, count, "--make-synthetic")
+    _check_target(root, count, "--make-synthetic")
     rng = np.random.default_rng(0)
     buckets = rng.integers(len(INDEX_ONLY_SIGNATURES), size=count)
     prompt_lengths = rng.integers(16, 320, size=count)
@@ -138,7 +138,7 @@ def write_index_only_cache(root: Path, count: int, payload_format: PayloadFormat
 
 def write_hardlink_cache(root: Path, count: int, progress: Progress = iter) -> Path:
     """Write one tiny `.pt` payload and `count` records, each naming its own hard link to it (or to a copy)."""
-    check_target(root, count, "--worker-memory-index")
+    _check_target(root, count, "--worker-memory-index")
     spec = SyntheticSpec(latent=TINY[0], prompt=TINY[1])
     first = root / "samples" / "sample_00000000.pt"
     payload = {
@@ -146,7 +146,7 @@ def write_hardlink_cache(root: Path, count: int, progress: Progress = iter) -> P
         "context_latents": [torch.zeros(spec.latent, dtype=torch.bfloat16)],
         "prompt_embeddings": torch.zeros(spec.prompt, dtype=torch.bfloat16),
         "prompt_attention_mask": torch.ones(spec.prompt[0], dtype=torch.long),
-        **payload_fields(0, spec),
+        **_payload_fields(0, spec),
     }
     save_payload(first, payload)
 
@@ -169,7 +169,7 @@ def write_hardlink_cache(root: Path, count: int, progress: Progress = iter) -> P
     return root
 
 
-def token_counts(sig: Signature, text_tokens: int) -> dict[str, Any]:
+def _token_counts(sig: Signature, text_tokens: int) -> dict[str, Any]:
     """The token counts a record and its payload's metadata carry."""
     return {
         "target_token_length": (sig.target[1] // PATCH) * (sig.target[2] // PATCH),
@@ -185,11 +185,11 @@ def record(i: int, relative: str, sig: Signature, text_tokens: int) -> dict[str,
         "compound_bucket_signature": sig.to_json(),
         "original_id": f"synthetic-{i}",
         "row_index": i,
-        **token_counts(sig, text_tokens),
+        **_token_counts(sig, text_tokens),
     }
 
 
-def payload_fields(i: int, spec: SyntheticSpec) -> dict[str, Any]:
+def _payload_fields(i: int, spec: SyntheticSpec) -> dict[str, Any]:
     """Payload fields other than the tensors, for sample `i`."""
     sig = spec.signature
     metadata = {
@@ -198,7 +198,7 @@ def payload_fields(i: int, spec: SyntheticSpec) -> dict[str, Any]:
         "context_spatial_shapes": [list(c[1:]) for c in sig.contexts],
         "compound_bucket_signature": sig.to_json(),
         "conditioning_shapes": {},
-        **token_counts(sig, spec.prompt[0]),
+        **_token_counts(sig, spec.prompt[0]),
     }
     return {"conditioning_tensors": {}, "metadata": metadata}
 

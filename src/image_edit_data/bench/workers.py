@@ -30,7 +30,7 @@ from .reference import build_reference
 CHECKS = 20  # private memory samples per epoch, for the highest value
 
 
-def epoch_worker_memory(
+def _epoch_worker_memory(
     loader: str, num_workers: int, dataloader: Any, batches: int, batch_size: int, warmup: int
 ) -> dict[str, Any]:
     """Draw one epoch of `batches` from `dataloader`; worker private memory after `warmup` batches and at the end."""
@@ -71,7 +71,7 @@ def larger(a: int | None, b: int | None) -> int | None:
     return max((x for x in (a, b) if x is not None), default=None)
 
 
-def epoch_in_child(
+def _epoch_in_child(
     loader: str,
     cache_dir: str,
     workers: int,
@@ -80,7 +80,7 @@ def epoch_in_child(
     warmup: int,
     reference: tuple[str, str] | None,
 ) -> dict[str, Any]:
-    """Build one loader (`reference`: the reference's module and its import root) and run `epoch_worker_memory`."""
+    """Build one loader (`reference`: the reference's module and its import root) and run `_epoch_worker_memory`."""
     # This process came from the fork server, whose start method it inherits; loaders fork their workers.
     multiprocessing.set_start_method("fork", force=True)
     warnings.filterwarnings("ignore", message=LOADER_NOISE)  # the bench's own filter does not reach this process
@@ -92,7 +92,7 @@ def epoch_in_child(
     else:
         config = ImageEditDataloaderConfig(cache_dir, num_workers=workers, prefetch_factor=prefetch_factor)
         build = config.build(dp_rank=0, dp_world_size=1, batch_size=batch_size)
-    return epoch_worker_memory(loader, workers, build.dataloader, len(build.sampler), batch_size, warmup)
+    return _epoch_worker_memory(loader, workers, build.dataloader, len(build.sampler), batch_size, warmup)
 
 
 def run_epochs(
@@ -106,7 +106,7 @@ def run_epochs(
 ) -> list[dict[str, Any]]:
     """An epoch of ours, then of the reference, at each worker count, each in a process of its own."""
     loaders = ["ours", *(["reference"] if reference is not None else [])]
-    where = None if reference is None else (reference.__name__, import_root(reference))
+    where = None if reference is None else (reference.__name__, _import_root(reference))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     results = []
@@ -117,11 +117,11 @@ def run_epochs(
                 ProcessPoolExecutor(1, mp_context=context) as pool,
             ):
                 args = (str(cache_dir), workers, batch_size, prefetch_factor, warmup, where)
-                results.append(pool.submit(epoch_in_child, loader, *args).result())
+                results.append(pool.submit(_epoch_in_child, loader, *args).result())
     return results
 
 
-def import_root(module: ModuleType) -> str:
+def _import_root(module: ModuleType) -> str:
     """The sys.path entry `module` was imported from (the directory holding its top-level package)."""
     root = Path(str(module.__file__))
     for _ in module.__name__.split("."):

@@ -25,14 +25,14 @@ MAX_METADATA_DEPTH = 32
 MAX_METADATA_VALUES = 100_000
 
 
-def is_int(value: object) -> bool:
+def _is_int(value: object) -> bool:
     """True for JSON/Python integers, false for booleans (which Python counts as ints)."""
     return type(value) is int
 
 
 def nonnegative_int(value: object, file: str, field: str) -> int:
     """Check a token count or similar non-negative integer (below 2**31)."""
-    if not is_int(value) or not 0 <= value <= MAX_COUNT:  # type: ignore[operator]
+    if not _is_int(value) or not 0 <= value <= MAX_COUNT:  # type: ignore[operator]
         fail(file, field, f"expected a non-negative integer below 2**31, got {show(value)}")
     return value  # type: ignore[return-value]
 
@@ -43,7 +43,7 @@ def shape(value: object, rank: int, file: str, field: str, allow_zero: bool = Fa
         fail(file, field, f"expected a list of {rank} integers, got {show(value)}")
     lowest = 0 if allow_zero else 1
     for dim in value:
-        if not is_int(dim) or not lowest <= dim <= MAX_DIM:
+        if not _is_int(dim) or not lowest <= dim <= MAX_DIM:
             kind = "non-negative" if allow_zero else "positive"
             fail(file, field, f"expected {kind} integer dimensions below 2**63, got {show(value)}")
     return tuple(value)
@@ -61,7 +61,7 @@ def signature(value: object, file: str, field: str) -> Signature:
     return Signature(target=target, contexts=parsed)  # type: ignore[arg-type]
 
 
-def plain_tensor(value: object, file: str, field: str) -> torch.Tensor | FileTensor:
+def _plain_tensor(value: object, file: str, field: str) -> torch.Tensor | FileTensor:
     """Check for a dense CPU tensor backed by its own data (so it costs no more memory than its file).
 
     A `FileTensor` passes as it is: its header entry was checked to hold exactly its bytes.
@@ -86,7 +86,7 @@ def plain_tensor(value: object, file: str, field: str) -> torch.Tensor | FileTen
 
 def latent(value: object, file: str, field: str) -> tuple[int, int, int]:
     """Check a floating `[C, H, W]` latent tensor and return its shape."""
-    value = plain_tensor(value, file, field)
+    value = _plain_tensor(value, file, field)
     if value.ndim != 3:
         fail(file, field, f"expected shape [channels, height, width], got {tuple(value.shape)}")
     if not value.is_floating_point():
@@ -94,16 +94,16 @@ def latent(value: object, file: str, field: str) -> tuple[int, int, int]:
     return tuple(value.shape)  # type: ignore[return-value]
 
 
-def tensor_field(payload: Mapping[str, Any], name: str, file: str) -> torch.Tensor | FileTensor:
+def _tensor_field(payload: Mapping[str, Any], name: str, file: str) -> torch.Tensor | FileTensor:
     """Fetch a required tensor entry of a payload."""
-    return plain_tensor(payload.get(name), file, name)
+    return _plain_tensor(payload.get(name), file, name)
 
 
 def payload(raw: object, expected: Signature, file: str, manifest_revision: str | None) -> dict[str, Any]:
     """Check one loaded payload against the contract and its index record; return the sample dict."""
     if not isinstance(raw, Mapping):
         fail(file, "payload", f"expected a mapping of cache fields, got {type(raw).__name__}")
-    target = tensor_field(raw, "target_latent", file)
+    target = _tensor_field(raw, "target_latent", file)
     target_shape = latent(target, file, "target_latent")
     contexts = raw.get("context_latents")
     if not isinstance(contexts, (list, tuple)) or not contexts:
@@ -113,14 +113,14 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
     if actual != expected:
         fail(file, "compound_bucket_signature", f"index says {expected.describe()}, tensors are {actual.describe()}")
 
-    embeddings = tensor_field(raw, "prompt_embeddings", file)
+    embeddings = _tensor_field(raw, "prompt_embeddings", file)
     if embeddings.ndim != 2 or not embeddings.is_floating_point():
         fail(
             file,
             "prompt_embeddings",
             f"expected a floating tensor [sequence, hidden], got {tuple(embeddings.shape)} {embeddings.dtype}",
         )
-    mask = tensor_field(raw, "prompt_attention_mask", file)
+    mask = _tensor_field(raw, "prompt_attention_mask", file)
     if mask.ndim != 1 or mask.shape[0] != embeddings.shape[0]:
         fail(
             file,
@@ -138,9 +138,9 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
     for name, tensor in conditioning.items():
         if not isinstance(name, str) or not name:
             fail(file, "conditioning_tensors", f"expected non-empty string names, got {show(name)}")
-        plain_tensor(tensor, file, f"conditioning_tensors.{name}")
+        _plain_tensor(tensor, file, f"conditioning_tensors.{name}")
 
-    metadata = sample_metadata(raw.get("metadata"), actual, embeddings.shape[0], conditioning, file, manifest_revision)
+    metadata = _sample_metadata(raw.get("metadata"), actual, embeddings.shape[0], conditioning, file, manifest_revision)
     return {
         "target_latent": target,
         "context_latents": list(contexts),
@@ -198,7 +198,7 @@ def bounded(value: object, file: str, field: str) -> None:
                     push((key, depth + 1))
 
 
-def sample_metadata(
+def _sample_metadata(
     raw: object,
     sig: Signature,
     sequence_length: int,
@@ -214,7 +214,7 @@ def sample_metadata(
     if not isinstance(ids, Mapping) or not ids:
         fail(file, "metadata.original_ids", f"expected a non-empty mapping, got {show(ids)}")
     for name, value in ids.items():
-        if not isinstance(name, str) or not name or not (isinstance(value, str) or is_int(value)):
+        if not isinstance(name, str) or not name or not (isinstance(value, str) or _is_int(value)):
             fail(file, "metadata.original_ids", f"expected non-empty names mapped to str or int ids, got {show(name)}")
 
     revision = raw.get("source_revision")

@@ -48,7 +48,7 @@ def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     return _sincos_1d(t.float() * 1000.0, dim)
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Apply a per-sample affine `[B, D]` to every token of `x` `[B, N, D]`."""
     return x * (1 + scale[:, None, :]) + shift[:, None, :]
 
@@ -76,11 +76,11 @@ class AdaLNBlock(nn.Module):
         """Update tokens `x` `[B, N, D]` given `cond` `[B, D]`; `keep` `[B, N]` is False for keys to ignore."""
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(F.silu(cond)).chunk(6, dim=1)
         b, n, d = x.shape
-        qkv = self.qkv(modulate(self.norm1(x), shift1, scale1))
+        qkv = self.qkv(_modulate(self.norm1(x), shift1, scale1))
         q, k, v = qkv.reshape(b, n, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
         x = x + gate1[:, None, :] * self.proj(attn.transpose(1, 2).reshape(b, n, d))
-        return x + gate2[:, None, :] * self.mlp(modulate(self.norm2(x), shift2, scale2))
+        return x + gate2[:, None, :] * self.mlp(_modulate(self.norm2(x), shift2, scale2))
 
 
 class FinalLayer(nn.Module):
@@ -99,4 +99,4 @@ class FinalLayer(nn.Module):
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Map `[B, N, D]` tokens to `[B, N, out_dim]`."""
         shift, scale = self.ada(F.silu(cond)).chunk(2, dim=1)
-        return self.out(modulate(self.norm(x), shift, scale))
+        return self.out(_modulate(self.norm(x), shift, scale))

@@ -85,7 +85,7 @@ class CacheIndex:
         return sum(a.nbytes for a in arrays)
 
 
-def read_json(path: Path, display: str, max_bytes: int | None = None) -> Any:
+def _read_json(path: Path, display: str, max_bytes: int | None = None) -> Any:
     """Parse a JSON cache file (a regular file of at most `max_bytes`), naming it in any error."""
     try:
         return json.loads(read_regular_file(path, display, max_bytes).decode("utf-8"))
@@ -110,7 +110,7 @@ def load_manifest(root: Path) -> tuple[dict[str, Any], list[str]]:
     path = root / MANIFEST
     if not os.path.lexists(path):
         raise FileNotFoundError(f"{path}: no {MANIFEST} here; is {root} an image-edit cache directory?")
-    manifest = read_json(resolve_inside(root, MANIFEST, MANIFEST, "file"), MANIFEST, MAX_MANIFEST_BYTES)
+    manifest = _read_json(resolve_inside(root, MANIFEST, MANIFEST, "file"), MANIFEST, MAX_MANIFEST_BYTES)
     if not isinstance(manifest, dict):
         fail(MANIFEST, "manifest", f"expected a JSON object, got {type(manifest).__name__}")
     shards = manifest.get("shards")
@@ -134,18 +134,18 @@ def load_index(cache_dir: str | Path) -> CacheIndex:
         raise FileNotFoundError(f"{root}: cache directory does not exist")
     manifest, shards = load_manifest(root)
     parsed = ParsedRecords(root)
-    with cyclic_gc_paused():
+    with _cyclic_gc_paused():
         for shard in shards:
-            records = read_json(resolve_inside(root, shard, MANIFEST, "shards"), shard)
+            records = _read_json(resolve_inside(root, shard, MANIFEST, "shards"), shard)
             if not isinstance(records, list):
                 fail(shard, "records", f"expected a JSON list of records, got {type(records).__name__}")
             parsed.add_shard(shard, records)
     parsed.check_unique()
-    return build_index(root, manifest, parsed.bucket_of, parsed.bucket_ids, parsed.paths, parsed.text_tokens)
+    return _build_index(root, manifest, parsed.bucket_of, parsed.bucket_ids, parsed.paths, parsed.text_tokens)
 
 
 @contextlib.contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
+def _cyclic_gc_paused() -> Iterator[None]:
     """Pause Python's cycle collector while JSON records are parsed, then restore it.
 
     Parsing allocates millions of dicts, each allocation counting towards the next collection,
@@ -201,7 +201,7 @@ class ParsedRecords:
         if type(record) is not dict:
             return None
         path = record.get("cache_file")
-        if type(path) is not str or not plain_relative_path(path):
+        if type(path) is not str or not _plain_relative_path(path):
             return None
         sig = self.known_signatures.get(repr(record.get("compound_bucket_signature")))
         if sig is None:
@@ -228,7 +228,7 @@ class ParsedRecords:
         relative = contained(self.root, record["cache_file"], shard, f"{where}.cache_file")
         raw = record.get("compound_bucket_signature")
         sig = validate.signature(raw, shard, f"{where}.compound_bucket_signature")
-        check_optional_counts(record, sig, shard, where)
+        _check_optional_counts(record, sig, shard, where)
         self.known_signatures[repr(raw)] = sig
         return relative, sig
 
@@ -254,7 +254,7 @@ class ParsedRecords:
         raise IndexError(number)
 
 
-def plain_relative_path(path: str) -> bool:
+def _plain_relative_path(path: str) -> bool:
     """A path that is already relative and normal, so it needs no further containment check."""
     return (
         0 < len(path) <= 1024
@@ -269,7 +269,7 @@ def plain_relative_path(path: str) -> bool:
     )
 
 
-def check_optional_counts(record: Mapping[str, Any], sig: Signature, file: str, where: str) -> None:
+def _check_optional_counts(record: Mapping[str, Any], sig: Signature, file: str, where: str) -> None:
     """Validate the token counts an index record may carry."""
     for name in ("target_token_length", "text_token_length"):
         if record.get(name) is not None:
@@ -282,7 +282,7 @@ def check_optional_counts(record: Mapping[str, Any], sig: Signature, file: str, 
             validate.nonnegative_int(n, file, f"{where}.context_token_lengths[{i}]")
 
 
-def build_index(
+def _build_index(
     root: Path,
     manifest: dict[str, Any],
     bucket_of: dict[Signature, int],

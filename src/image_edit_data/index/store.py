@@ -28,7 +28,7 @@ STORE_DIR = ".image_edit_data"
 ARRAYS = ("bucket_ids", "path_blob", "path_offsets", "text_tokens")
 
 
-def user_cache_dir() -> Path:
+def _user_cache_dir() -> Path:
     """Where stored indexes of read-only caches go (`$XDG_CACHE_HOME/image_edit_data`)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "image_edit_data"
@@ -54,7 +54,7 @@ def store_key(root: Path) -> str | None:
 def candidate_paths(root: Path, key: str) -> list[Path]:
     """Beside the cache first, then the user cache directory (named after the cache's path)."""
     name = f"index-{key}.npz"
-    user = user_cache_dir() / hashlib.sha256(str(root).encode()).hexdigest()[:16] / name
+    user = _user_cache_dir() / hashlib.sha256(str(root).encode()).hexdigest()[:16] / name
     return [root / STORE_DIR / name, user]
 
 
@@ -69,7 +69,7 @@ def open_index(cache_dir: str | Path, use_store: bool = True) -> CacheIndex:
     paths = candidate_paths(root, key)
     for path in paths:
         if path.is_file():
-            stored = read_stored(path, root)
+            stored = _read_stored(path, root)
             if stored is not None:
                 return stored
     index = load_index(root)
@@ -97,7 +97,7 @@ def serialize(index: CacheIndex) -> bytes:
     return buffer.getvalue()
 
 
-def check_consistent(arrays: dict[str, np.ndarray], num_buckets: int) -> None:
+def _check_consistent(arrays: dict[str, np.ndarray], num_buckets: int) -> None:
     """Refuse stored arrays that do not describe one valid index (a damaged or planted file)."""
     ids, offsets, blob = arrays["bucket_ids"], arrays["path_offsets"], arrays["path_blob"]
     n = ids.shape[0]
@@ -109,7 +109,7 @@ def check_consistent(arrays: dict[str, np.ndarray], num_buckets: int) -> None:
         raise ValueError("path offsets are not increasing within the path blob")
 
 
-def read_stored(path: Path, root: Path) -> CacheIndex | None:
+def _read_stored(path: Path, root: Path) -> CacheIndex | None:
     """Load a stored index, or None (and a log line) when it is unreadable or from another version."""
     try:
         with np.load(path, allow_pickle=False) as stored:
@@ -121,7 +121,7 @@ def read_stored(path: Path, root: Path) -> CacheIndex | None:
             Signature(tuple(s["target"]), tuple(tuple(c) for c in s["contexts"]))  # type: ignore[arg-type]
             for s in header["signatures"]
         )
-        check_consistent(arrays, len(signatures))
+        _check_consistent(arrays, len(signatures))
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:
         log.warning("ignoring unreadable stored index %s (%s); parsing the shards again", path, error)
         return None

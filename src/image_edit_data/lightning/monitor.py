@@ -23,7 +23,7 @@ STATE_VERSION = 1
 
 
 @dataclass
-class Tally:
+class _Tally:
     """Sums over a span of training batches; rates and the wait fraction are derived from them."""
 
     batches: int = 0
@@ -54,7 +54,7 @@ class Tally:
         return self.wait_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
 
 
-def batch_signature(batch: Mapping[str, Any]) -> str:
+def _batch_signature(batch: Mapping[str, Any]) -> str:
     """The batch's bucket key (`Signature.describe()`), read from latent shapes only."""
     target = tuple(batch["image_latents"].shape[1:])
     contexts = tuple(tuple(c.shape[1:]) for c in batch["context_latents"])
@@ -88,9 +88,9 @@ class ImageEditDataMonitor(Callback):
         self.last_bucket_id: int | None = None
         self.epoch_summaries: list[dict[str, Any]] = []
         self._bucket_ids: dict[str, int] = {}
-        self._window = Tally()
-        self._epoch = Tally()
-        self._epoch_buckets: dict[int, Tally] = {}
+        self._window = _Tally()
+        self._epoch = _Tally()
+        self._epoch_buckets: dict[int, _Tally] = {}
         self._last_end: float | None = None
         self._batch_start: float | None = None
         self._validation_start: float | None = None
@@ -104,7 +104,7 @@ class ImageEditDataMonitor(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_end = time.perf_counter()
-        self._epoch = Tally()
+        self._epoch = _Tally()
         self._epoch_buckets = {}
 
     def on_train_batch_start(
@@ -120,14 +120,14 @@ class ImageEditDataMonitor(Callback):
             return  # hooks out of order (Lightning's fit loop never does this): nothing sound to time
         wait, step = self._batch_start - self._last_end, now - self._last_end
         self._last_end, self._batch_start = now, None
-        signature = batch_signature(batch)
+        signature = _batch_signature(batch)
         bucket_id = self.bucket_id(signature)
         self.last_signature, self.last_bucket_id = signature, bucket_id
         metadata = batch["metadata"]
-        for tally in (self._window, self._epoch, self._epoch_buckets.setdefault(bucket_id, Tally())):
+        for tally in (self._window, self._epoch, self._epoch_buckets.setdefault(bucket_id, _Tally())):
             tally.add(metadata, wait, step)
         if self._window.batches >= self.log_every_n_steps:
-            window, self._window = self._window, Tally()
+            window, self._window = self._window, _Tally()
             self._log(
                 trainer,
                 {
@@ -152,7 +152,7 @@ class ImageEditDataMonitor(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         summary = self._summary(trainer.current_epoch)
         self.epoch_summaries.append(summary)
-        rank_zero_info(format_summary(summary))
+        rank_zero_info(_format_summary(summary))
         epoch = self._epoch
         self._log(
             trainer,
@@ -212,7 +212,7 @@ class ImageEditDataMonitor(Callback):
             logger.log_metrics(named, step=step)
 
 
-def format_summary(summary: Mapping[str, Any]) -> str:
+def _format_summary(summary: Mapping[str, Any]) -> str:
     """A short text table of one epoch summary: totals, then one row per bucket."""
     lines = [
         f"data epoch {summary['epoch']}: {summary['batches']} batches, {summary['samples']} samples, "

@@ -82,7 +82,7 @@ def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_resu
         try:
             if info.st_size == 0:
                 fail(display, "file", "is empty (0 bytes)")
-            return OpenPayload(from_safetensors(descriptor, info.st_size, display), descriptor)
+            return OpenPayload(_from_safetensors(descriptor, info.st_size, display), descriptor)
         except OSError as error:
             os.close(descriptor)
             fail(display, "file", f"cannot be read: {error.strerror or error}")
@@ -90,7 +90,7 @@ def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_resu
             os.close(descriptor)
             raise
     try:
-        fields, in_file = torch_save_fields(path, descriptor, info.st_size, display)
+        fields, in_file = _torch_save_fields(path, descriptor, info.st_size, display)
     except OSError as error:
         os.close(descriptor)
         fail(display, "file", f"cannot be read: {error.strerror or error}")
@@ -103,7 +103,7 @@ def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_resu
     return OpenPayload(fields)
 
 
-def torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
+def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
     """A `torch.save` payload's fields, and whether its tensors are `FileTensor`s of `descriptor`.
 
     When the layout allows, torch's weights-only unpickler builds only the structure (onto the
@@ -116,22 +116,22 @@ def torch_save_fields(path: Path | str, descriptor: int, size: int, display: str
     if size == 0:
         fail(display, "file", "is empty (0 bytes)")
     if os.pread(descriptor, 4, 0) != b"PK\x03\x04":  # torch's legacy format cannot be mapped
-        return from_torch_save(io.BytesIO(read_all(descriptor)), display, mapped=False), False
+        return _from_torch_save(io.BytesIO(read_all(descriptor)), display, mapped=False), False
     entries = zip_entries(descriptor, size)
-    check_zip_expansion(path, entries, size, display)
+    _check_zip_expansion(path, entries, size, display)
     ranges = None if entries is None else stored_data_ranges(descriptor, entries, size)
     if entries is not None and ranges is not None:
         structure = structure_on_meta(descriptor, entries, ranges, size)
         if structure is None and torch_notes_storage_offsets():
-            structure = from_torch_save(path, display, mapped=False, map_location="meta")
+            structure = _from_torch_save(path, display, mapped=False, map_location="meta")
         fields = None if structure is None else in_file_fields(structure, descriptor, dict(ranges.values()), display)
         if fields is not None:
             return fields, True
     # torch maps compressed entries as if they were stored (wrong values): map only stored ones.
-    return from_torch_save(path, display, mapped=ranges is not None), False
+    return _from_torch_save(path, display, mapped=ranges is not None), False
 
 
-def check_zip_expansion(path: Path | str, entries: list[ZipEntry] | None, size: int, display: str) -> None:
+def _check_zip_expansion(path: Path | str, entries: list[ZipEntry] | None, size: int, display: str) -> None:
     """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
 
     torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
@@ -156,16 +156,16 @@ def read_all(descriptor: int) -> bytes:
         return handle.read()
 
 
-def from_torch_save(
+def _from_torch_save(
     source: Path | str | io.BytesIO, display: str, mapped: bool, map_location: str = "cpu"
 ) -> dict[str, Any]:
     """A `torch.save` payload through the weights-only unpickler, as a dict of fields."""
     try:
         loaded = torch.load(source, map_location=map_location, weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as error:
-        fail(display, "payload", f"refused by the weights-only loader ({unpickler_reason(error)})")
+        fail(display, "payload", f"refused by the weights-only loader ({_unpickler_reason(error)})")
     except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...
-        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {first_sentence(error)})")
+        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {_first_sentence(error)})")
     if not isinstance(loaded, dict):
         fail(display, "payload", f"expected a dict of cache fields, got {type(loaded).__name__}")
     return loaded
@@ -188,13 +188,13 @@ def materialized(value: Any) -> Any:
     return value
 
 
-def first_sentence(error: BaseException) -> str:
+def _first_sentence(error: BaseException) -> str:
     """The part of a torch error that says what is wrong (it appends paragraphs of advice)."""
     text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(error))
     return text.split(". ")[0].split("  (Could this error")[0]
 
 
-def unpickler_reason(error: pickle.UnpicklingError) -> str:
+def _unpickler_reason(error: pickle.UnpicklingError) -> str:
     """What the weights-only unpickler refused (e.g. `... GLOBAL os.system whose module os is blocked`).
 
     torch wraps it in paragraphs of advice, some of which suggest loading unsafely; keep only the reason.
@@ -208,7 +208,7 @@ def unpickler_reason(error: pickle.UnpicklingError) -> str:
     return " ".join(text.split()) or "no reason given"
 
 
-def from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]:
+def _from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]:
     """Rebuild the payload dict from our safetensors form, its tensors as `FileTensor`s of `descriptor`."""
     tensors, extra = read_header(descriptor, size, display)
     if extra.get(FORMAT_KEY) != FORMAT_VERSION:
@@ -226,7 +226,7 @@ def from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]
     except ValueError as error:  # e.g. an integer literal longer than Python's 4300-digit limit
         fail(display, METADATA_KEY, f"invalid JSON: {error}")
     payload: dict[str, Any] = {
-        "context_latents": context_list(tensors, display),
+        "context_latents": _context_list(tensors, display),
         "conditioning_tensors": {
             k[len(CONDITIONING_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONDITIONING_PREFIX)
         },
@@ -238,7 +238,7 @@ def from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]
     return payload
 
 
-def context_list(tensors: Mapping[str, FileTensor], display: str) -> list[FileTensor]:
+def _context_list(tensors: Mapping[str, FileTensor], display: str) -> list[FileTensor]:
     """The `context_latents.<i>` tensors in order; the indices must be exactly 0, 1, ..., n-1."""
     by_index: dict[str, FileTensor] = {
         k[len(CONTEXT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONTEXT_PREFIX)

@@ -63,12 +63,12 @@ def read_header(descriptor: int, size: int, display: str) -> tuple[dict[str, Fil
     data_start = 8 + header_length
     data_size = size - data_start
     tensors = {
-        name: entry_tensor(descriptor, data_start, data_size, name, entry, display) for name, entry in header.items()
+        name: _entry_tensor(descriptor, data_start, data_size, name, entry, display) for name, entry in header.items()
     }
     return tensors, metadata
 
 
-def entry_tensor(descriptor: int, start: int, data_size: int, name: str, entry: object, display: str) -> FileTensor:
+def _entry_tensor(descriptor: int, start: int, data_size: int, name: str, entry: object, display: str) -> FileTensor:
     """One checked header entry as a `FileTensor` of the open file (plain loops: this runs per tensor, per sample)."""
     if type(entry) is not dict:  # json.loads makes plain dicts
         unreadable(display, f"entry {name!r} is not an object")
@@ -77,7 +77,7 @@ def entry_tensor(descriptor: int, start: int, data_size: int, name: str, entry: 
     if dtype is None:
         unreadable(display, f"tensor {name!r} has unsupported dtype {str(entry.get('dtype'))[:20]!r}")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if type(shape) is not list or not non_negative_ints(shape):
+    if type(shape) is not list or not _non_negative_ints(shape):
         unreadable(display, f"tensor {name!r} shape must be a list of non-negative integers")
     if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
         unreadable(display, f"tensor {name!r} data_offsets must be two integers")
@@ -89,7 +89,7 @@ def entry_tensor(descriptor: int, start: int, data_size: int, name: str, entry: 
     return FileTensor(tuple(shape), dtype, descriptor, start + begin, end - begin, display)
 
 
-def non_negative_ints(values: list[object]) -> bool:
+def _non_negative_ints(values: list[object]) -> bool:
     """Whether every value is an int (not a bool) of at least 0."""
     for value in values:  # noqa: SIM110 - a plain loop is 3x faster than all() over a generator here
         if type(value) is not int or value < 0:

@@ -59,7 +59,7 @@ def in_file_fields(
             fields["conditioning_tensors"] = {k: in_file(v) for k, v in fields["conditioning_tensors"].items()}
     except NotAByteRange:
         return None
-    return None if holds_tensor(fields) else fields
+    return None if _holds_tensor(fields) else fields
 
 
 def file_tensor(value: Any, descriptor: int, entry_ends: Mapping[int, int], display: str) -> Any:
@@ -87,7 +87,7 @@ def file_tensor(value: Any, descriptor: int, entry_ends: Mapping[int, int], disp
     return FileTensor(tuple(value.shape), value.dtype, descriptor, start + skipped, nbytes, display)
 
 
-def holds_tensor(value: Any) -> bool:
+def _holds_tensor(value: Any) -> bool:
     """Whether a torch tensor is left anywhere in `value` (walked without recursion: pickles nest deep)."""
     pending = [value]
     while pending:

@@ -26,7 +26,7 @@ from .torch_zip import ZipEntry, data_range, stored_data_ranges, zip_entries
 PICKLE_NAME = b"data.pkl"
 
 
-class UnusualPayload(Exception):
+class _UnusualPayload(Exception):
     """A payload this path leaves to `torch.load`."""
 
 
@@ -50,38 +50,38 @@ def unpickled(descriptor: int, entries: list[ZipEntry], data_ranges: Mapping[byt
     """Run the weights-only unpickler over the file's `<archive>/data.pkl`; raises on anything unusual."""
     pickles = [entry for entry in entries if entry.name.endswith(b"/" + PICKLE_NAME)]
     if len(pickles) != 1 or pickles[0].name.count(b"/") != 1:
-        raise UnusualPayload("not exactly one <archive>/data.pkl")
+        raise _UnusualPayload("not exactly one <archive>/data.pkl")
     archive = pickles[0].name[: -len(PICKLE_NAME)]
     found = data_range(descriptor, pickles[0], size)
     if found is None:
-        raise UnusualPayload("data.pkl is compressed or damaged")
+        raise _UnusualPayload("data.pkl is compressed or damaged")
     start, end = found
     pickle_bytes = os.pread(descriptor, end - start, start)
     if len(pickle_bytes) != end - start:
-        raise UnusualPayload("data.pkl is cut short")
+        raise _UnusualPayload("data.pkl is cut short")
 
     def persistent_load(saved_id: Any) -> torch.storage.TypedStorage:
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-            raise UnusualPayload(f"persistent id {saved_id!r}")
+            raise _UnusualPayload(f"persistent id {saved_id!r}")
         typename, storage_type, key, _location, numel = saved_id
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "dtype", None)
         if typename not in ("storage", b"storage") or not isinstance(dtype, torch.dtype):
-            raise UnusualPayload(f"persistent id {saved_id!r}")
+            raise _UnusualPayload(f"persistent id {saved_id!r}")
         if not isinstance(key, str) or type(numel) is not int or numel < 0:
-            raise UnusualPayload(f"persistent id {saved_id!r}")
+            raise _UnusualPayload(f"persistent id {saved_id!r}")
         data = data_ranges.get(archive + b"data/" + key.encode())
         if data is None:
-            raise UnusualPayload(f"storage {key!r} is not a data entry")
+            raise _UnusualPayload(f"storage {key!r} is not a data entry")
         storage = torch.UntypedStorage(numel * dtype.itemsize, device="meta")  # pt_in_file checks it fits
         storage._checkpoint_offset = data[0]  # the attribute torch's meta loading sets; pt_in_file reads it
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
-    unpickler = weights_only_unpickler_class()(io.BytesIO(pickle_bytes), encoding="utf-8")
+    unpickler = _weights_only_unpickler_class()(io.BytesIO(pickle_bytes), encoding="utf-8")
     unpickler.persistent_load = persistent_load
     return unpickler.load()
 
 
-def weights_only_unpickler_class() -> Any:
+def _weights_only_unpickler_class() -> Any:
     """The unpickler class `torch.load(weights_only=True)` runs (a private module of torch)."""
     from torch import _weights_only_unpickler
 
