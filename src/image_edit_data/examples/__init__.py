@@ -1,4 +1,7 @@
-"""Example LightningModules that train on the batch contract."""
+"""Example LightningModules that train on the package's batches (not part of the data path).
+
+`model`: `ImageEditFlowModel`, the small reference edit model (the quickstart's `model:`).
+"""
 
 from .model import ImageEditFlowModel
 
