@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from image_edit_data import ImageEditDataloaderConfig
-from image_edit_data.bench_measure import read_proc, worker_pids
+from image_edit_data.bench.measure import read_proc, worker_pids
 
 
 class EmptyBatches(Dataset):

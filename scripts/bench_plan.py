@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from image_edit_data.sampler import BucketBatchSampler
+from image_edit_data.sampling.sampler import BucketBatchSampler
 
 
 def main() -> None:

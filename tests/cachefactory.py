@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from image_edit_data.payload import save_payload
+from image_edit_data.payload.payload import save_payload
 
 Shape = tuple[int, int, int]
 DEFAULT_BUCKETS: tuple[tuple[Shape, tuple[Shape, ...]], ...] = (

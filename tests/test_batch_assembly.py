@@ -16,15 +16,15 @@ import torch.multiprocessing
 from cachefactory import make_payload, write_cache
 from torch.utils.data import DataLoader
 
-import image_edit_data.batch_buffer as batch_buffer_module
-import image_edit_data.collate as collate_module
-import image_edit_data.shared_batch as shared_batch_module
+import image_edit_data.batch.buffer as batch_buffer_module
+import image_edit_data.batch.collate as collate_module
+import image_edit_data.batch.shared_batch as shared_batch_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.batch_buffer import BatchBuffer, BufferPool, halves_by_bytes
-from image_edit_data.file_tensor import FileTensor
-from image_edit_data.shared_batch import SharedBatch
-from image_edit_data.shared_ring import CAPACITY, RECEIVED
-from image_edit_data.torch_zip import zip_entries
+from image_edit_data.batch.buffer import BatchBuffer, BufferPool, halves_by_bytes
+from image_edit_data.batch.shared_batch import SharedBatch
+from image_edit_data.batch.shared_ring import CAPACITY, RECEIVED
+from image_edit_data.payload.file_tensor import FileTensor
+from image_edit_data.payload.torch_save.torch_zip import zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
 

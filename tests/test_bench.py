@@ -17,12 +17,12 @@ import pytest
 import torch
 from cachefactory import tiny_cache
 
-import image_edit_data.bench_run as bench_run
-from image_edit_data.bench import bench_main
-from image_edit_data.bench_index import forget_stored_index, stored_index_files
-from image_edit_data.bench_measure import cpu_model
-from image_edit_data.bench_reference import convert_payloads, pt_name, write_pt_twin_index
-from image_edit_data.bench_synthetic import (
+import image_edit_data.bench.run as bench_run
+from image_edit_data.bench.command import bench_main
+from image_edit_data.bench.index_opens import forget_stored_index, stored_index_files
+from image_edit_data.bench.measure import cpu_model
+from image_edit_data.bench.reference import convert_payloads, pt_name, write_pt_twin_index
+from image_edit_data.bench.synthetic import (
     INDEX_ONLY_SIGNATURES,
     synthetic_spec,
     write_hardlink_cache,
@@ -30,9 +30,9 @@ from image_edit_data.bench_synthetic import (
     write_synthetic_cache,
 )
 from image_edit_data.dataset import ImageEditDataset
-from image_edit_data.index import load_index
-from image_edit_data.index_store import open_index
-from image_edit_data.payload import load_payload
+from image_edit_data.index.index import load_index
+from image_edit_data.index.store import open_index
+from image_edit_data.payload.payload import load_payload
 
 TINY = ["--latent", "4x8x8", "--prompt", "8x16", "--memcpy-mib", "16"]
 # Where the reference loader may be unpacked (`pip download nemo-automodel`, unzip); it may also be installed.
@@ -230,7 +230,7 @@ def test_hardlink_cache_starts_a_new_copy_at_the_filesystems_link_limit(
             raise OSError(errno.EMLINK, "Too many links")
         link(source, target)
 
-    monkeypatch.setattr("image_edit_data.bench_synthetic.os.link", limited_link)
+    monkeypatch.setattr("image_edit_data.bench.synthetic.os.link", limited_link)
     write_hardlink_cache(tmp_path, 25)
     files = sorted((tmp_path / "samples").iterdir())
     assert sorted(f.stat().st_nlink for f in files) == [5] * 5 + [10] * 20

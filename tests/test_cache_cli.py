@@ -27,7 +27,7 @@ from image_edit_data.cache.build import BuildOptions, build_cache
 from image_edit_data.cache.cli import cache_main, demo_cache_main
 from image_edit_data.cache.resize import ResizePolicy
 from image_edit_data.cache.sources import JsonlManifestSource
-from image_edit_data.payload import load_payload
+from image_edit_data.payload.payload import load_payload
 
 SLOW_ENCODER = "_build_helpers.SlowDemoImageEncoder"
 RESIZE_ARGS = ["--max-pixels", "1024", "--spatial-alignment", "16", "--upscale"]

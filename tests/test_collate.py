@@ -7,8 +7,8 @@ import torch
 from cachefactory import make_payload
 
 from image_edit_data import collate_image_edit
-from image_edit_data.buckets import Signature
-from image_edit_data.validate import payload as validate_payload
+from image_edit_data.contract.signature import Signature
+from image_edit_data.contract.validate import payload as validate_payload
 
 
 def sample(index: int, **kwargs: object) -> dict:

@@ -10,8 +10,8 @@ import pytest
 from cachefactory import tiny_cache
 
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig
-from image_edit_data.corrupt import TooManyCorruptSamplesError
 from image_edit_data.dataset import ImageEditDataset
+from image_edit_data.payload.corrupt import TooManyCorruptSamplesError
 
 BAD = (2, 7)
 
@@ -75,7 +75,7 @@ def test_each_bad_sample_is_logged_once(tmp_path: Path, caplog: pytest.LogCaptur
     built = loader(cache, drop_last=False, on_corrupt_sample="skip", max_corrupt_fraction=0.5).build(
         dp_rank=0, dp_world_size=1, batch_size=2
     )
-    with caplog.at_level(logging.WARNING, logger="image_edit_data.corrupt"):
+    with caplog.at_level(logging.WARNING, logger="image_edit_data.payload.corrupt"):
         for e in range(2):
             built.sampler.set_epoch(e)
             list(built.dataloader)

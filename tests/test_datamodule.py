@@ -13,8 +13,8 @@ from cachefactory import tiny_cache
 from fit_harness import RecordingModel
 
 from image_edit_data import ImageEditDataModule, ResumeMismatchError
-from image_edit_data.lightning_loader import LightningLoader
-from image_edit_data.sampler import BucketBatchSampler
+from image_edit_data.lightning.loader import LightningLoader
+from image_edit_data.sampling.sampler import BucketBatchSampler
 
 
 @pytest.fixture(scope="module")

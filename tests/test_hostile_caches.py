@@ -27,9 +27,9 @@ from cachefactory import make_payload, write_cache
 
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
 from image_edit_data.cache.cli import cache_main
-from image_edit_data.index import MAX_MANIFEST_BYTES
-from image_edit_data.index_store import candidate_paths, serialize, store_key
-from image_edit_data.payload import to_safetensors
+from image_edit_data.index.index import MAX_MANIFEST_BYTES
+from image_edit_data.index.store import candidate_paths, serialize, store_key
+from image_edit_data.payload.payload import to_safetensors
 
 SIGNATURE = {"target": [4, 8, 8], "contexts": [[4, 8, 8]]}
 PT = "samples/sample_00000000.pt"
@@ -870,7 +870,7 @@ def nested_tuple(depth: int) -> tuple[object, ...]:
     ],
 )
 def test_metadata_bounds_count_every_container_kind(value: object, problem: str | None) -> None:
-    from image_edit_data.validate import bounded
+    from image_edit_data.contract.validate import bounded
 
     if problem is None:
         bounded(value, "f.safetensors", "metadata")

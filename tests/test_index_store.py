@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from cachefactory import tiny_cache
 
-from image_edit_data import CacheFormatError, index_store
-from image_edit_data.index import ParsedRecords, load_index
-from image_edit_data.index_store import STORE_DIR, open_index
+from image_edit_data import CacheFormatError
+from image_edit_data.index import store as index_store
+from image_edit_data.index.index import ParsedRecords, load_index
+from image_edit_data.index.store import STORE_DIR, open_index
 
 
 def same(a: object, b: object) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from image_edit_data.model import ImageEditFlowModel
+from image_edit_data.examples.model import ImageEditFlowModel
 
 CHANNELS = 4
 TEXT_DIM = 16

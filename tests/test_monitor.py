@@ -13,8 +13,8 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 
-import image_edit_data.monitor as monitor_module
-from image_edit_data.monitor import ImageEditDataMonitor
+import image_edit_data.lightning.monitor as monitor_module
+from image_edit_data.lightning.monitor import ImageEditDataMonitor
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from cachefactory import make_payload, write_cache
 
-import image_edit_data.payload as payload_module
+import image_edit_data.payload.payload as payload_module
 from image_edit_data import ImageEditDataset, collate_image_edit
-from image_edit_data.file_tensor import FileTensor
-from image_edit_data.payload import open_payload
-from image_edit_data.pt_in_file import NotAByteRange, file_tensor
-from image_edit_data.pt_structure import direct_unpickling_works, same_structure, structure_on_meta
-from image_edit_data.torch_zip import data_range, stored_data_ranges, zip_entries
+from image_edit_data.payload.file_tensor import FileTensor
+from image_edit_data.payload.payload import open_payload
+from image_edit_data.payload.torch_save.pt_in_file import NotAByteRange, file_tensor
+from image_edit_data.payload.torch_save.pt_structure import direct_unpickling_works, same_structure, structure_on_meta
+from image_edit_data.payload.torch_save.torch_zip import data_range, stored_data_ranges, zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
 

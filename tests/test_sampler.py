@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from image_edit_data.sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError
+from image_edit_data.sampling.sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError
 
 bucket_sizes = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=5)
 

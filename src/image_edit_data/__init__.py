@@ -1,20 +1,35 @@
 """image-edit-data: cached instruction-based image-edit data for diffusion training in Lightning.
 
 The data path: a cache (metadata.json + JSON shards + one payload per sample) is opened into a
-compact columnar index (`index`); `ImageEditDataset` loads and validates payloads; a bucket
-batch sampler plans each epoch so every batch holds one compound shape signature and every rank
-gets the same number of batches; `collate_image_edit` stacks a batch; `ImageEditDataModule`
-wires it all into Lightning with exact resume.
+compact columnar index (`index/`); `ImageEditDataset` loads and validates payloads (`payload/`,
+`contract/`); a bucket batch sampler plans each epoch so every batch holds one compound shape
+signature and every rank gets the same number of batches (`sampling/`); `collate_image_edit`
+stacks a batch (`batch/`); `ImageEditDataModule` wires it all into Lightning with exact resume
+(`lightning/`).
+
+The Lightning-side names are imported on first use, so the data path loads without Lightning.
 """
 
-from .collate import collate_image_edit
-from .corrupt import TooManyCorruptSamplesError
-from .datamodule import ImageEditDataModule
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .batch.collate import collate_image_edit
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
+from .errors import CacheFormatError
 from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
-from .monitor import ImageEditDataMonitor
-from .sampler import BucketBatchSampler, ResumeMismatchError
-from .validate import CacheFormatError
+from .payload.corrupt import TooManyCorruptSamplesError
+from .sampling.sampler import BucketBatchSampler, ResumeMismatchError
+
+if TYPE_CHECKING:
+    from .lightning.datamodule import ImageEditDataModule
+    from .lightning.monitor import ImageEditDataMonitor
+
+_LIGHTNING_NAMES = {
+    "ImageEditDataModule": "image_edit_data.lightning.datamodule",
+    "ImageEditDataMonitor": "image_edit_data.lightning.monitor",
+}
 
 __all__ = [
     "BucketBatchSampler",
@@ -29,3 +44,17 @@ __all__ = [
     "TooManyCorruptSamplesError",
     "collate_image_edit",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a Lightning-side name on first use (and keep it, so this runs once per name)."""
+    module = _LIGHTNING_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

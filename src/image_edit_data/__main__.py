@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command in ("fit", "validate", "test"):
-        from .cli import lightning_main
+        from .lightning.cli import lightning_main
 
         # From the shell LightningCLI reads sys.argv itself; passing it again would only earn a warning.
         lightning_main(None if argv is None else [command, *rest])
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_cache_main(rest)
     if command == "bench":
-        from .bench import bench_main
+        from .bench.command import bench_main
 
         return bench_main(rest)
     sys.stderr.write(f"image-edit-data: unknown command {command!r}\n\n{USAGE}")

@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from . import validate
-from .buckets import Signature
-from .collate import AssembledSamples, collate_image_edit
-from .corrupt import CorruptPolicy, SkipLog
-from .index import CacheIndex
-from .index_store import open_index
-from .paths import ContainedOpener
-from .payload import OpenPayload, materialized, open_payload
+from .batch.collate import AssembledSamples, collate_image_edit
+from .contract import validate
+from .contract.paths import ContainedOpener
+from .contract.signature import Signature
+from .index.index import CacheIndex
+from .index.store import open_index
+from .payload.corrupt import CorruptPolicy, SkipLog
+from .payload.payload import OpenPayload, materialized, open_payload
 
 
 class ImageEditDataset(Dataset):
@@ -58,7 +58,7 @@ class ImageEditDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> AssembledSamples:
         """Load one batch, read straight into the batch's memory; `collate_image_edit` returns it as is.
 
-        Under the "skip" policy broken samples are dropped (see `corrupt.py`). The batch metadata
+        Under the "skip" policy broken samples are dropped (see `payload/corrupt.py`). The batch metadata
         reports what was dropped and, for batches from our sampler, `position` (epoch and step in
         the epoch plan).
         """

@@ -11,12 +11,12 @@ from typing import Any, NamedTuple
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from .collate import collate_image_edit
-from .corrupt import CorruptPolicy
+from .batch.collate import collate_image_edit
 from .dataset import ImageEditDataset
-from .index_store import STORE_DIR
-from .plan import BucketOrder
-from .sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError, check_rank
+from .index.store import STORE_DIR
+from .payload.corrupt import CorruptPolicy
+from .sampling.plan import BucketOrder
+from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError, check_rank
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..payload import PayloadFormat
+from ..payload.payload import PayloadFormat
 from .encode import Prepared, encode_window, prepare
 from .encoders import ImageEncoder, PromptEncoder, TextEncoder
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure

@@ -14,8 +14,8 @@ import torch
 from jsonargparse import Namespace
 from rich.console import Console
 
+from ..contract.validate import CacheFormatError
 from ..dataset import ImageEditDataset
-from ..validate import CacheFormatError
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import write_text_atomic
+from .._atomic import write_text_atomic
 from ..dataset import ImageEditDataset
-from ..index import MANIFEST
-from ..payload import PayloadFormat, save_payload
+from ..index.index import MANIFEST
+from ..payload.payload import PayloadFormat, save_payload
 from .merge import shard_name
 
 RECORDS_PER_SHARD = 10_000

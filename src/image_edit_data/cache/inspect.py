@@ -10,8 +10,8 @@ from jsonargparse import Namespace
 from rich.console import Console
 from rich.table import Table
 
-from ..buckets import Signature
-from ..index import UNKNOWN, CacheIndex, load_index
+from ..contract.signature import Signature
+from ..index.index import UNKNOWN, CacheIndex, load_index
 from .writer import token_count
 
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..buckets import Signature
-from ..payload import PayloadFormat, save_payload
+from ..contract.signature import Signature
+from ..payload.payload import PayloadFormat, save_payload
 from .sources import SourceRecord
 
 StoreDtype = Literal["float32", "bfloat16", "float16"]

@@ -1,0 +1,248 @@
+"""`ImageEditDataModule`: dataset, bucket sampler and collate behind Lightning's hooks, resumable.
+
+The DataModule is the one owner of the data position. Its `state_dict()` records the epoch and
+the batches *trained on* (the plan position of the last batch handed to Lightning, which never
+counts prefetched batches) plus a fingerprint of the cache and data config; `load_state_dict()` keeps it until
+`train_dataloader()` builds the sampler at that position. The loader itself reports no state,
+so Lightning's own loader restore cannot skip the same batches a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+
+from ..dataset import ImageEditDataset
+from ..index.index import MANIFEST
+from ..loader import ImageEditDataloaderConfig
+from ..payload.corrupt import CorruptPolicy
+from ..sampling.plan import BucketOrder
+from ..sampling.sampler import ResumeMismatchError, migrate_state
+from .loader import LightningLoader
+
+log = logging.getLogger(__name__)
+
+
+def write_demo_cache(directory: str, num_samples: int, seed: int) -> None:
+    """Build the procedural demo cache at `directory` through the same path as `image-edit-data demo-cache`."""
+    from ..cache.cli import demo_cache_main
+
+    code = demo_cache_main([directory, "--num-samples", str(num_samples), "--seed", str(seed), "--quiet"])
+    if code != 0:
+        raise RuntimeError(f"building the demo cache in {directory} failed (exit code {code}); see the output above")
+
+
+ResumeMismatch = Literal["raise", "restart_epoch"]
+
+
+class ImageEditDataModule(pl.LightningDataModule):
+    """Cached image-edit data for any `Trainer`, with exact mid-epoch resume.
+
+    Args:
+        cache_dir: Training cache directory (metadata.json, shards, payloads).
+        batch_size: Samples per batch and rank (the base size when `dynamic_batch_size`).
+        val_cache_dir: Optional validation cache; every sample is seen once per validation run.
+        quantization: Pixel cell size used by the dynamic batch size's cost.
+        base_resolution: (width, height) at which a dynamic batch holds exactly `batch_size` samples.
+        drop_last: Drop each bucket's short last batch in training.
+        shuffle: Shuffle training samples and batch order from (seed, epoch).
+        dynamic_batch_size: Size each bucket's batches to one latent-token budget (target + contexts).
+        num_workers: Loader worker processes per rank; may change between save and resume.
+        pin_memory: Pin batches in page-locked memory (only when CUDA is available).
+        prefetch_factor: Batches each worker loads ahead.
+        seed: Seed of every shuffle; the same on all ranks.
+        bucket_order: "interleaved" mixes batches of all buckets; "sequential" runs bucket after bucket.
+        latent_scale: Pixels per latent position (the VAE's downsampling) for the dynamic cost.
+        elastic: Allow resuming mid-epoch on a different number of ranks.
+        on_resume_mismatch: "raise" refuses a checkpoint whose data or config differ; "restart_epoch"
+            deliberately reshuffles: it keeps the epoch number and starts that epoch afresh.
+        on_corrupt_sample: "raise" stops at a broken payload; "skip" drops it from its batch (a batch of one
+            takes its bucket's next sample instead), logs it once, lists it in
+            `<cache>/.image_edit_data/quarantine.jsonl` and counts it in the batch metadata.
+        max_corrupt_fraction: With "skip", fail anyway once more than this fraction of the cache was skipped.
+        demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`) holds no cache yet, first write the
+            procedural demo cache there with this many samples (a tenth for validation). For quickstarts.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        batch_size: int = 4,
+        val_cache_dir: str | None = None,
+        quantization: int = 64,
+        base_resolution: tuple[int, int] = (1024, 1024),
+        drop_last: bool = True,
+        shuffle: bool = True,
+        dynamic_batch_size: bool = False,
+        num_workers: int = 2,
+        pin_memory: bool = True,
+        prefetch_factor: int = 2,
+        seed: int = 42,
+        bucket_order: BucketOrder = "interleaved",
+        latent_scale: int = 8,
+        elastic: bool = False,
+        on_resume_mismatch: ResumeMismatch = "raise",
+        on_corrupt_sample: CorruptPolicy = "raise",
+        max_corrupt_fraction: float = 0.01,
+        demo_samples: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if on_resume_mismatch not in ("raise", "restart_epoch"):
+            raise ValueError(f"on_resume_mismatch must be 'raise' or 'restart_epoch', got {on_resume_mismatch!r}")
+        self.batch_size = batch_size
+        self.val_cache_dir = val_cache_dir
+        self.on_resume_mismatch = on_resume_mismatch
+        self.demo_samples = demo_samples
+        self.config = ImageEditDataloaderConfig(
+            cache_dir=cache_dir,
+            quantization=quantization,
+            base_resolution=tuple(base_resolution),  # type: ignore[arg-type]
+            drop_last=drop_last,
+            shuffle=shuffle,
+            dynamic_batch_size=dynamic_batch_size,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            prefetch_factor=prefetch_factor,
+            seed=seed,
+            bucket_order=bucket_order,
+            latent_scale=latent_scale,
+            elastic=elastic,
+            on_corrupt_sample=on_corrupt_sample,
+            max_corrupt_fraction=max_corrupt_fraction,
+        )
+        self.train_dataset: ImageEditDataset | None = None
+        self.val_dataset: ImageEditDataset | None = None
+        self.train_loader: LightningLoader | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    def prepare_data(self) -> None:
+        """Write the demo caches when asked to and absent (Lightning runs this on one process only)."""
+        if self.demo_samples <= 0:
+            return
+        targets = [(self.config.cache_dir, self.demo_samples, 0)]
+        if self.val_cache_dir:
+            targets.append((self.val_cache_dir, max(1, self.demo_samples // 10), 1))
+        for directory, count, seed in targets:
+            if not (Path(directory) / MANIFEST).exists():
+                write_demo_cache(directory, count, seed)
+
+    def setup(self, stage: str) -> None:
+        """Open the caches this stage needs (index only: cheap, and done once)."""
+        if stage == "fit" and self.train_dataset is None:
+            self.train_dataset = self.config.open_dataset()
+        if stage in ("fit", "validate") and self.val_cache_dir and self.val_dataset is None:
+            self.val_dataset = self.config.open_dataset(self.val_cache_dir)
+        if stage == "test" and self.val_dataset is None:
+            self.val_dataset = self.config.open_dataset(self.val_cache_dir or self.config.cache_dir)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, world size) of data parallelism, as Lightning's strategy shards data."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+
+    def train_dataloader(self) -> LightningLoader:
+        """This rank's training loader, positioned at the restored or current epoch."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        rank, world = self.data_parallel()
+        epoch = self.fit_epoch()
+        built = self.config.build_for(
+            dataset=self.train_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, epoch=epoch
+        )
+        sampler = built.sampler
+        sampler.max_batches = self.batch_limit(len(sampler))
+        if self._pending_state is not None:
+            self.restore_position(sampler, self._pending_state)
+            self._pending_state = None
+        self.train_loader = LightningLoader(built.dataloader, sampler)
+        return self.train_loader
+
+    def restore_position(self, sampler: Any, state: dict[str, Any]) -> None:
+        """Apply a checkpointed position, or restart the epoch when the user chose to reshuffle."""
+        try:
+            sampler.load_state_dict(state)
+            if sampler.epoch_finished:
+                # Lightning moves on to the next epoch without a new iterator, so start it here.
+                sampler.advance_epoch(sampler.epoch + 1)
+        except ResumeMismatchError as error:
+            if self.on_resume_mismatch == "raise":
+                raise ResumeMismatchError(
+                    f"{error}. To continue anyway with a fresh shuffle of epoch {state['epoch']}, "
+                    "set on_resume_mismatch='restart_epoch' on the data module."
+                ) from None
+            log.warning("%s; restarting epoch %s as on_resume_mismatch='restart_epoch' asks", error, state["epoch"])
+            sampler.advance_epoch(int(state["epoch"]))
+
+    def batch_limit(self, batches: int) -> int | None:
+        """Batches Lightning will take per epoch under `limit_train_batches`, so the sampler ends there too."""
+        if self.trainer is None:
+            return None
+        limit = self.trainer.limit_train_batches
+        if limit is None:
+            return None
+        if isinstance(limit, int):
+            return min(batches, limit)
+        return int(batches * limit) if limit < 1.0 else None
+
+    def fit_epoch(self) -> int:
+        """The epoch the fit loop is in or about to start.
+
+        `epoch_progress.current.processed`, not `trainer.current_epoch`: at an epoch-end checkpoint the
+        latter still names the finished epoch, while `processed` already counts it.
+        """
+        trainer: Any = self.trainer
+        return int(trainer.fit_loop.epoch_progress.current.processed) if trainer is not None else 0
+
+    def val_dataloader(self) -> LightningLoader | list:
+        """Validation loader: fixed order, no rank padding, batches dealt round-robin to ranks."""
+        if self.val_dataset is None and self.val_cache_dir:
+            self.setup("validate")
+        return self.eval_loader() if self.val_dataset is not None else []
+
+    def test_dataloader(self) -> LightningLoader:
+        """Test loader over `val_cache_dir` (or the training cache when none is set)."""
+        if self.val_dataset is None:
+            self.setup("test")
+        return self.eval_loader()
+
+    def eval_loader(self) -> LightningLoader:
+        """A loader that shows every evaluation sample exactly once across ranks."""
+        rank, world = self.data_parallel()
+        built = self.config.build_for(
+            dataset=self.val_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, evaluation=True
+        )
+        return LightningLoader(built.dataloader, built.sampler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, batches trained on and fingerprint: the same on every rank, as rank 0's is the one saved.
+
+        The position is that of the last batch the loader handed to Lightning (which trains every batch
+        it takes before taking the next), so it never counts batches that workers merely prefetched and
+        does not depend on Lightning's epoch counters.
+        """
+        if self.train_loader is None:
+            return {}
+        sampler = self.train_loader.batch_sampler
+        state = sampler.state_dict()
+        position = self.train_loader.position
+        if position is None:
+            return state  # nothing iterated yet: the sampler's own position is exact
+        if position[0] == sampler.epoch:
+            state["consumed"] = position[1]
+        else:
+            # The sampler only moves past an epoch that ended; no batch of its next epoch was trained yet.
+            state["consumed"], state["history"] = 0, []
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep a checkpointed position until `train_dataloader()` builds the sampler."""
+        if not state_dict:
+            return
+        self._pending_state = migrate_state(state_dict)

@@ -1,0 +1,277 @@
+"""Read and write one sample payload: NeMo's `.pt` (weights-only torch.load) or our `.safetensors`.
+
+The safetensors form stores the same fields without pickle: tensors under the names
+`target_latent`, `context_latents.<i>`, `prompt_embeddings`, `prompt_attention_mask`,
+`conditioning_tensors.<name>`, and the payload's `metadata` as JSON in the header under
+`image_edit_data.metadata` (with `image_edit_data.format` = `1`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import save as save_safetensors_bytes
+
+from .._atomic import write_bytes_atomic
+from ..contract.paths import open_regular
+from ..errors import fail, show
+from .file_tensor import FileTensor
+from .safetensors_header import read_header
+from .torch_save.pt_in_file import in_file_fields, torch_notes_storage_offsets
+from .torch_save.pt_structure import structure_on_meta
+from .torch_save.torch_zip import ZipEntry, stored_data_ranges, zip_entries
+
+PayloadFormat = Literal["pt", "safetensors"]
+FORMAT_KEY = "image_edit_data.format"
+METADATA_KEY = "image_edit_data.metadata"
+FORMAT_VERSION = "1"
+CONTEXT_PREFIX = "context_latents."
+CONDITIONING_PREFIX = "conditioning_tensors."
+
+
+def format_of(path: str | Path) -> PayloadFormat:
+    """Payload format from the file suffix (`.safetensors`, else NeMo's `.pt`)."""
+    return "safetensors" if str(path).endswith(".safetensors") else "pt"
+
+
+class OpenPayload:
+    """One payload's fields, ready to be checked and read into a batch; close it when the batch is built.
+
+    Tensors are `FileTensor`s of the still-open file (nothing read yet but the header or the
+    pickle), or, for `.pt` files whose tensors are not plain byte ranges of the file, tensors
+    that torch's weights-only loader mapped from it or read into memory.
+    """
+
+    def __init__(self, fields: dict[str, Any], descriptor: int | None = None) -> None:
+        self.fields = fields
+        self.descriptor = descriptor
+
+    def close(self) -> None:
+        """Close the payload file (a no-op for mapped `.pt` tensors, whose mapping lives as long as they do)."""
+        if self.descriptor is not None:
+            os.close(self.descriptor)
+            self.descriptor = None
+
+    def __enter__(self) -> OpenPayload:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_result] | None = None) -> OpenPayload:
+    """Open one payload without running any code from the file; its tensors are read later, once.
+
+    `opened` is the descriptor and stat of `path` when the caller has opened it already (this
+    function then owns the descriptor).
+    """
+    try:
+        descriptor, info = opened or open_regular(path, display)
+    except OSError as error:
+        fail(display, "file", f"cannot be read: {error.strerror or error}")
+    if format_of(path) == "safetensors":
+        try:
+            if info.st_size == 0:
+                fail(display, "file", "is empty (0 bytes)")
+            return OpenPayload(_from_safetensors(descriptor, info.st_size, display), descriptor)
+        except OSError as error:
+            os.close(descriptor)
+            fail(display, "file", f"cannot be read: {error.strerror or error}")
+        except BaseException:
+            os.close(descriptor)
+            raise
+    try:
+        fields, in_file = _torch_save_fields(path, descriptor, info.st_size, display)
+    except OSError as error:
+        os.close(descriptor)
+        fail(display, "file", f"cannot be read: {error.strerror or error}")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    if in_file:
+        return OpenPayload(fields, descriptor)
+    os.close(descriptor)
+    return OpenPayload(fields)
+
+
+def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
+    """A `torch.save` payload's fields, and whether its tensors are `FileTensor`s of `descriptor`.
+
+    When the layout allows, torch's weights-only unpickler builds only the structure (onto the
+    meta device, each storage noting where it lies in the file; run directly by `pt_structure`,
+    else through `torch.load`) and the batch later reads the bytes straight into its own memory,
+    as for safetensors. Otherwise the tensors are mapped from the file (views that are not plain
+    byte ranges) or loaded into memory (compressed entries, the other byte order, another zip
+    layout).
+    """
+    if size == 0:
+        fail(display, "file", "is empty (0 bytes)")
+    if os.pread(descriptor, 4, 0) != b"PK\x03\x04":  # torch's legacy format cannot be mapped
+        return _from_torch_save(io.BytesIO(read_all(descriptor)), display, mapped=False), False
+    entries = zip_entries(descriptor, size)
+    _check_zip_expansion(path, entries, size, display)
+    ranges = None if entries is None else stored_data_ranges(descriptor, entries, size)
+    if entries is not None and ranges is not None:
+        structure = structure_on_meta(descriptor, entries, ranges, size)
+        if structure is None and torch_notes_storage_offsets():
+            structure = _from_torch_save(path, display, mapped=False, map_location="meta")
+        fields = None if structure is None else in_file_fields(structure, descriptor, dict(ranges.values()), display)
+        if fields is not None:
+            return fields, True
+    # torch maps compressed entries as if they were stored (wrong values): map only stored ones.
+    return _from_torch_save(path, display, mapped=ranges is not None), False
+
+
+def _check_zip_expansion(path: Path | str, entries: list[ZipEntry] | None, size: int, display: str) -> None:
+    """Refuse a torch zip that zipfile cannot read, or whose entries unpack to more than the file holds.
+
+    torch.save stores entries uncompressed, but torch.load also inflates compressed ones, so a
+    small file could otherwise expand into gigabytes (a compression bomb). `entries` is the
+    central directory when it has the plain layout torch.save writes, else zipfile reads it.
+    """
+    if entries is None:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                unpacked = sum(entry.file_size for entry in archive.infolist())
+        except Exception as error:  # zipfile raises many types on damaged archives
+            fail(display, "payload", f"not a readable torch.save file (damaged zip: {error})")
+    else:
+        unpacked = sum(entry.unpacked_size for entry in entries)
+    if unpacked > size:
+        fail(display, "payload", f"zip entries unpack to {unpacked} bytes from a {size}-byte file")
+
+
+def read_all(descriptor: int) -> bytes:
+    """The whole file behind `descriptor`."""
+    with os.fdopen(os.dup(descriptor), "rb") as handle:
+        return handle.read()
+
+
+def _from_torch_save(
+    source: Path | str | io.BytesIO, display: str, mapped: bool, map_location: str = "cpu"
+) -> dict[str, Any]:
+    """A `torch.save` payload through the weights-only unpickler, as a dict of fields."""
+    try:
+        loaded = torch.load(source, map_location=map_location, weights_only=True, mmap=mapped)
+    except pickle.UnpicklingError as error:
+        fail(display, "payload", f"refused by the weights-only loader ({_unpickler_reason(error)})")
+    except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...
+        fail(display, "payload", f"not a readable torch.save file ({type(error).__name__}: {_first_sentence(error)})")
+    if not isinstance(loaded, dict):
+        fail(display, "payload", f"expected a dict of cache fields, got {type(loaded).__name__}")
+    return loaded
+
+
+def load_payload(path: Path, display: str) -> dict[str, Any]:
+    """One payload's fields with every tensor in memory (for tools; the loader reads via `open_payload`)."""
+    with open_payload(path, display) as payload:
+        return {name: materialized(value) for name, value in payload.fields.items()}
+
+
+def materialized(value: Any) -> Any:
+    """`value` with each `FileTensor` in it (also inside lists and dicts) read into a tensor."""
+    if isinstance(value, FileTensor):
+        return value.materialize()
+    if isinstance(value, list):
+        return [materialized(v) for v in value]
+    if isinstance(value, dict):
+        return {k: materialized(v) for k, v in value.items()}
+    return value
+
+
+def _first_sentence(error: BaseException) -> str:
+    """The part of a torch error that says what is wrong (it appends paragraphs of advice)."""
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", str(error))
+    return text.split(". ")[0].split("  (Could this error")[0]
+
+
+def _unpickler_reason(error: pickle.UnpicklingError) -> str:
+    """What the weights-only unpickler refused (e.g. `... GLOBAL os.system whose module os is blocked`).
+
+    torch wraps it in paragraphs of advice, some of which suggest loading unsafely; keep only the reason.
+    """
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    elif "\n\n" in text:
+        text = text.split("\n\n", 1)[1]
+    text = text.split("Check the documentation")[0].split(" Please use")[0]
+    return " ".join(text.split()) or "no reason given"
+
+
+def _from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]:
+    """Rebuild the payload dict from our safetensors form, its tensors as `FileTensor`s of `descriptor`."""
+    tensors, extra = read_header(descriptor, size, display)
+    if extra.get(FORMAT_KEY) != FORMAT_VERSION:
+        fail(
+            display,
+            FORMAT_KEY,
+            f"expected {FORMAT_VERSION!r} (an image-edit-data payload), got {show(extra.get(FORMAT_KEY))}",
+        )
+    try:
+        metadata = json.loads(extra.get(METADATA_KEY, "null"))
+    except json.JSONDecodeError as error:
+        fail(display, METADATA_KEY, f"invalid JSON: {error.msg}")
+    except RecursionError:
+        fail(display, METADATA_KEY, "invalid JSON: nesting is too deep")
+    except ValueError as error:  # e.g. an integer literal longer than Python's 4300-digit limit
+        fail(display, METADATA_KEY, f"invalid JSON: {error}")
+    payload: dict[str, Any] = {
+        "context_latents": _context_list(tensors, display),
+        "conditioning_tensors": {
+            k[len(CONDITIONING_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONDITIONING_PREFIX)
+        },
+        "metadata": metadata,
+    }
+    for name in ("target_latent", "prompt_embeddings", "prompt_attention_mask"):
+        if name in tensors:
+            payload[name] = tensors[name]
+    return payload
+
+
+def _context_list(tensors: Mapping[str, FileTensor], display: str) -> list[FileTensor]:
+    """The `context_latents.<i>` tensors in order; the indices must be exactly 0, 1, ..., n-1."""
+    by_index: dict[str, FileTensor] = {
+        k[len(CONTEXT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CONTEXT_PREFIX)
+    }
+    expected = [str(i) for i in range(len(by_index))]
+    if sorted(by_index) != sorted(expected):
+        got = sorted(CONTEXT_PREFIX + k for k in by_index)
+        fail(display, "context_latents", f"expected {CONTEXT_PREFIX}<i> for i = 0..{len(by_index) - 1}, got {got}")
+    return [by_index[i] for i in expected]
+
+
+def to_safetensors(payload: Mapping[str, Any]) -> bytes:
+    """Serialise a payload dict into our safetensors form."""
+    tensors: dict[str, torch.Tensor] = {
+        "target_latent": payload["target_latent"],
+        "prompt_embeddings": payload["prompt_embeddings"],
+        "prompt_attention_mask": payload["prompt_attention_mask"],
+    }
+    for i, context in enumerate(payload["context_latents"]):
+        tensors[f"{CONTEXT_PREFIX}{i}"] = context
+    for name, tensor in (payload.get("conditioning_tensors") or {}).items():
+        tensors[f"{CONDITIONING_PREFIX}{name}"] = tensor
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    header = {FORMAT_KEY: FORMAT_VERSION, METADATA_KEY: json.dumps(payload["metadata"])}
+    return save_safetensors_bytes(tensors, metadata=header)
+
+
+def save_payload(path: str | Path, payload: Mapping[str, Any]) -> None:
+    """Write a payload atomically, in the format its suffix names."""
+    if format_of(path) == "safetensors":
+        data = to_safetensors(payload)
+    else:
+        buffer = io.BytesIO()
+        torch.save({k: v for k, v in payload.items()}, buffer)
+        data = buffer.getvalue()
+    write_bytes_atomic(path, data)

@@ -1,0 +1,16 @@
+"""Which samples form which batch: the pure epoch plan and the resumable bucket batch samplers."""
+
+from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
+from .sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError, check_rank, migrate_state
+
+__all__ = [
+    "BucketBatchSampler",
+    "BucketOrder",
+    "EpochPlan",
+    "EvalBatchSampler",
+    "ResumeMismatchError",
+    "check_rank",
+    "migrate_state",
+    "plan_epoch",
+    "step_count",
+]
