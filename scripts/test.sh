@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 ruff check src tests
 mypy
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"

@@ -2,7 +2,7 @@
 
 In the training process it is ordinary memory, filled with `preadv` (file pages -> buffer) and
 memcpy; a big batch's files are read two at a time when the process may use two cores, since one
-thread's kernel copy out of the page cache reaches only about half the memory bandwidth. In a
+thread's kernel copy out of the page cache falls well short of the memory bandwidth. In a
 loader worker it is a block of the worker's shared-memory ring, filled the same way once its pages
 are in place. A one-off shared block (every ring block still held) is filled through its file
 instead: the kernel copies file pages into it with `sendfile` and tensors with `pwrite`, so its
@@ -28,8 +28,8 @@ from ..payload.file_tensor import FileTensor, read_into
 from .shared_ring import Lease, worker_ring
 
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
-# Handing files to a second thread costs a thread wake-up (~0.3 ms on a 2-core VM) and GIL hand-offs;
-# below about 8 MiB per batch that eats what the second copy saves (measured in both directions).
+# Handing files to a second thread costs a thread wake-up and GIL hand-offs; for smaller batches that
+# eats what the second copy saves (interleaved runs, docs/read-path.md).
 PARALLEL_READ_MIN_BYTES = 8 << 20
 
 

@@ -96,7 +96,7 @@ class DemoImageEncoder:
         b, h, w = images.shape[0], images.shape[2] // f, images.shape[3] // f
         basis = self._basis.to(images.device)
         # A 2-D matmul over flattened patches, not a strided conv or a batched matmul on a permuted view:
-        # same numbers, but those two ran ~100x slower on small CPU batches when threads are contended.
+        # same numbers, but those two are far slower on small CPU batches when threads are contended.
         patches = images.to(basis.dtype).reshape(b, 3, h, f, w, f).permute(0, 2, 4, 1, 3, 5).reshape(b * h * w, -1)
         latents = patches @ basis.T / DEMO_LATENT_SCALE
         return latents.reshape(b, h, w, -1).permute(0, 3, 1, 2).contiguous()

@@ -150,7 +150,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
     Parsing allocates millions of dicts, each allocation counting towards the next collection,
     and every collection walks all live containers, in the process as well as the shards: on a
-    1M-record cache that was two thirds of the time of the first open. Parsed JSON holds no
+    large cache those walks were most of the time of the first open. Parsed JSON holds no
     reference cycles, so reference counting still frees each shard as soon as it is packed.
     """
     was_enabled = gc.isenabled()

@@ -1,4 +1,4 @@
-"""Keep a parsed cache index on disk so reopening a large cache costs milliseconds, not minutes.
+"""Keep a parsed cache index on disk so reopening a large cache reads one file, not every shard.
 
 The compact index is stored beside the cache in `.image_edit_data/index-<key>.npz`, or in the
 user cache directory when the cache is read-only. `<key>` hashes the manifest's bytes and each

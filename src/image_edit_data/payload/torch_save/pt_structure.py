@@ -1,7 +1,7 @@
 """A `torch.save` payload's structure from torch's weights-only unpickler, without `torch.load` around it.
 
-`torch.load(map_location="meta", weights_only=True)` spends about a third of a small payload's
-time outside the unpickler: opening its own zip reader, and device and fake-mode checks for every
+`torch.load(map_location="meta", weights_only=True)` spends much of a small payload's time
+outside the unpickler: opening its own zip reader, and device and fake-mode checks for every
 storage. Here the pickle is read with one `pread` from the zip entries the caller has parsed and
 run through the same unpickler `weights_only=True` runs (`torch._weights_only_unpickler`, so the
 same globals are allowed and refused); each storage becomes a meta storage that notes where its
