@@ -27,8 +27,6 @@ from image_edit_data.cache.hf_source import HFDatasetSource
 from image_edit_data.cache.resize import ResizePolicy, to_pixels
 from image_edit_data.cache.sources import JsonlManifestSource
 
-pytest.importorskip("diffusers")
-pytest.importorskip("transformers")
 RESIZE = ResizePolicy("max_pixels", max_pixels=32 * 32, spatial_alignment=16, upscale=True)
 
 

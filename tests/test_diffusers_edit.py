@@ -10,12 +10,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
-
-pytest.importorskip("diffusers")
-
-import lightning.pytorch as pl
 import yaml
 from cachefactory import make_payload, write_cache
 from diffusers_fit_harness import tiny_module

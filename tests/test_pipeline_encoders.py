@@ -31,8 +31,6 @@ from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset
 from image_edit_data.cache.cli import cache_main
 from image_edit_data.payload import load_payload
 
-pytest.importorskip("diffusers")
-pytest.importorskip("transformers")
 CLI_SCRIPT = Path(__file__).with_name("_pipeline_cli.py")
 
 

@@ -38,6 +38,11 @@ class ResumableDataLoader(StatefulDataLoader):
         if state_dict:
             self.batch_sampler.load_state_dict(sampler_state_of(state_dict))
 
+    def close(self) -> None:
+        """Shut this loader's worker processes down now; the next `iter()` starts a new pass."""
+        # torchdata's public way to drop the live iterator, whose finaliser stops its workers.
+        super().load_state_dict({})
+
 
 def sampler_state_of(loader_state: Mapping[str, Any]) -> Mapping[str, Any]:
     """The batch sampler's state inside a torchdata loader state (taken with or without workers)."""
@@ -64,7 +69,7 @@ def sampler_state_of(loader_state: Mapping[str, Any]) -> Mapping[str, Any]:
 class DiffusionDataloaderBuild(NamedTuple):
     """A built loader and the sampler that drives it (for `set_epoch` and resume state)."""
 
-    dataloader: StatefulDataLoader
+    dataloader: ResumableDataLoader
     sampler: BucketBatchSampler
 
 

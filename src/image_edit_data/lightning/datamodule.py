@@ -117,6 +117,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.train_dataset: ImageEditDataset | None = None
         self.val_dataset: ImageEditDataset | None = None
         self.train_loader: LightningLoader | None = None
+        self._open_loaders: list[LightningLoader] = []
         self._pending_state: dict[str, Any] | None = None
 
     def prepare_data(self) -> None:
@@ -162,6 +163,7 @@ class ImageEditDataModule(pl.LightningDataModule):
             self.restore_position(sampler, self._pending_state)
             self._pending_state = None
         self.train_loader = LightningLoader(built.dataloader, sampler)
+        self._open_loaders.append(self.train_loader)
         return self.train_loader
 
     def restore_position(self, sampler: Any, state: dict[str, Any]) -> None:
@@ -218,7 +220,23 @@ class ImageEditDataModule(pl.LightningDataModule):
         built = self.config.build_for(
             dataset=self.val_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, evaluation=True
         )
-        return LightningLoader(built.dataloader, built.sampler)
+        loader = LightningLoader(built.dataloader, built.sampler)
+        self._open_loaders.append(loader)
+        return loader
+
+    def teardown(self, stage: str) -> None:
+        """Shut down the loaders' workers when a fit, validation or test ends."""
+        self.close_loaders()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Shut down the loaders' workers when a run fails (Lightning does not, for our loaders)."""
+        self.close_loaders()
+
+    def close_loaders(self) -> None:
+        """Stop every loader this module handed out and forget all but the training one's position."""
+        for loader in self._open_loaders:
+            loader.close()
+        self._open_loaders = [self.train_loader] if self.train_loader is not None else []
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, batches trained on and fingerprint: the same on every rank, as rank 0's is the one saved.

@@ -8,21 +8,21 @@ is left alone with default Trainer flags, so this thin wrapper is what makes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
-from torchdata.stateful_dataloader import StatefulDataLoader
-
+from ..loader import ResumableDataLoader
 from ..sampling.sampler import BucketBatchSampler
 
 
 class LightningLoader:
     """Iterates a StatefulDataLoader; exposes its sampler so Lightning's `set_epoch` reaches it."""
 
-    def __init__(self, loader: StatefulDataLoader, sampler: BucketBatchSampler) -> None:
+    def __init__(self, loader: ResumableDataLoader, sampler: BucketBatchSampler) -> None:
         self.loader = loader
         self.batch_sampler = sampler
         self.position: tuple[int, int] | None = None  # (epoch, batches of it handed to training)
+        self._batches: Generator[Any, None, None] | None = None
 
     @property
     def sampler(self) -> BucketBatchSampler:
@@ -40,7 +40,30 @@ class LightningLoader:
         return max(len(self.loader), self.batch_sampler.steady_length())
 
     def __iter__(self) -> Iterator[Any]:
-        # A generator function, so Lightning's probing `iter()` starts no worker pool until used.
+        # A generator, so Lightning's probing `iter()` starts no worker pool until it is used.
+        # Lightning stops a sized epoch after its last batch without exhausting the pass; closing
+        # that pass here stops its workers now rather than whenever its generator is collected.
+        self._close_pass()
+        batches = self._generate()
+        self._batches = batches
+        return batches
+
+    def close(self) -> None:
+        """Stop the current pass and shut its worker processes down now.
+
+        Lightning shuts down the workers only of loaders that are DataLoaders; without this, a
+        pass that stops early (an exception, `max_steps`) keeps its workers until garbage
+        collection, which may come late and then waits on queues half torn down.
+        """
+        self._close_pass()
+        self.loader.close()
+
+    def _close_pass(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
+
+    def _generate(self) -> Generator[Any, None, None]:
         sampler = self.batch_sampler
         self.position = (sampler.epoch, sampler.consumed)
         for batch in self.loader:
