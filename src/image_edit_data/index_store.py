@@ -21,11 +21,13 @@ import numpy as np
 from .atomic import write_bytes_atomic
 from .buckets import Signature
 from .index import MANIFEST, CacheIndex, load_index, load_manifest
+from .storage.packed import shards_from_json
 
 log = logging.getLogger(__name__)
 STORE_VERSION = 1
 STORE_DIR = ".image_edit_data"
 ARRAYS = ("bucket_ids", "path_blob", "path_offsets", "text_tokens")
+PACKED_ARRAYS = ("member_shard", "member_offset", "member_length")  # packed caches only
 
 
 def user_cache_dir() -> Path:
@@ -90,10 +92,12 @@ def serialize(index: CacheIndex) -> bytes:
         "manifest": index.manifest,
         "signatures": [s.to_json() for s in index.signatures],
         "fingerprint": index.fingerprint,
+        "shards": [s.to_json() for s in index.shards],
     }
     buffer = io.BytesIO()
     header_array = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    np.savez(buffer, header=header_array, **{name: getattr(index, name) for name in ARRAYS})
+    names = ARRAYS + (PACKED_ARRAYS if index.packed else ())
+    np.savez(buffer, header=header_array, **{name: getattr(index, name) for name in names})
     return buffer.getvalue()
 
 
@@ -107,6 +111,8 @@ def check_consistent(arrays: dict[str, np.ndarray], num_buckets: int) -> None:
         raise ValueError("bucket ids out of range")
     if offsets[0] != 0 or offsets[-1] != blob.shape[0] or np.any(np.diff(offsets) <= 0):
         raise ValueError("path offsets are not increasing within the path blob")
+    if "member_shard" in arrays and not all(arrays[name].shape == (n,) for name in PACKED_ARRAYS):
+        raise ValueError("packed member arrays disagree with the sample count")
 
 
 def read_stored(path: Path, root: Path) -> CacheIndex | None:
@@ -117,6 +123,8 @@ def read_stored(path: Path, root: Path) -> CacheIndex | None:
             if header.get("version") != STORE_VERSION:
                 return None
             arrays = {name: stored[name] for name in ARRAYS}
+            if header.get("shards"):
+                arrays.update({name: stored[name] for name in PACKED_ARRAYS})
         signatures = tuple(
             Signature(tuple(s["target"]), tuple(tuple(c) for c in s["contexts"]))  # type: ignore[arg-type]
             for s in header["signatures"]
@@ -126,5 +134,10 @@ def read_stored(path: Path, root: Path) -> CacheIndex | None:
         log.warning("ignoring unreadable stored index %s (%s); parsing the shards again", path, error)
         return None
     return CacheIndex(
-        root=root, manifest=header["manifest"], signatures=signatures, fingerprint=header["fingerprint"], **arrays
+        root=root,
+        manifest=header["manifest"],
+        signatures=signatures,
+        fingerprint=header["fingerprint"],
+        shards=shards_from_json(header.get("shards") or []),
+        **arrays,  # type: ignore[arg-type]
     )
