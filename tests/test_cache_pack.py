@@ -71,9 +71,10 @@ def test_a_killed_pack_resumes_and_writes_the_same_shards(source: Path, packed: 
     assert not [p for p in (out / "shards").iterdir() if p.name.endswith(".tmp")]
     report = pack_cache(source, str(out), shard_bytes=8192)
     assert 0 < report.reused < report.samples
-    assert json.loads((out / "metadata.json").read_text())["packed_shards"] == json.loads(
-        (packed / "metadata.json").read_text()
-    )["packed_shards"]
+    assert (
+        json.loads((out / "metadata.json").read_text())["packed_shards"]
+        == json.loads((packed / "metadata.json").read_text())["packed_shards"]
+    )
     with pytest.raises(ValueError, match="already holds a finished cache"):
         pack_cache(source, str(out), shard_bytes=8192)
 

@@ -25,7 +25,7 @@ def default_local_root() -> Path:
 
 def local_dir_for(store: RemoteStore, local_root: str | Path | None) -> Path:
     """This URL's own directory under `local_root` (one per cache, shared by every process on the node)."""
-    root = Path(local_root).expanduser() if local_root else default_local_root()
+    root = (Path(local_root).expanduser() if local_root else default_local_root()).resolve()
     key = hashlib.sha256(store.url.encode()).hexdigest()[:16]
     return root / key
 

@@ -132,7 +132,7 @@ class RemoteStore:
         """`length` bytes of a cache file from `start`, in one request; fewer bytes is an error naming the URL."""
         url = self.url_of(relative)
         what = f"reading bytes [{start}, {start + length})"
-        data = self.call(what, url, lambda: self.fs.cat_file(url, start, start + length))
+        data = self.call(what, url, lambda: self.fs.cat_file(url, start=start, end=start + length))
         if len(data) != length:
             raise RemoteError(
                 f"{url}: reading bytes [{start}, {start + length}) returned {len(data)} bytes; "
