@@ -203,11 +203,12 @@ class ImageEditDataloaderConfig:
         )
         reader = dataset.reader
         if reader is not None and reader.shard_cache is not None and not evaluation:
-            # Pin the batches workers may hold unloaded (prefetch_factor each) and fetch a few beyond.
+            # Pin the batches workers may hold unloaded (prefetch_factor each) and fetch further ahead;
+            # the budget bounds what is actually downloaded.
             in_flight = max(1, self.num_workers) * self.prefetch_factor + 1
             shard_of = dataset.index.member_shard
             assert shard_of is not None  # a shard cache exists only for packed caches
-            sampler.observer = ShardPrefetcher(reader.shard_cache, shard_of, in_flight, in_flight)
+            sampler.observer = ShardPrefetcher(reader.shard_cache, shard_of, 2 * in_flight + 4, in_flight)
         workers: dict[str, Any] = {}
         if self.num_workers > 0:
             workers = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}
