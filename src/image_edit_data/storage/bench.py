@@ -187,8 +187,8 @@ def remote_bench(cache_dir: Path, args: Any, console: Console) -> dict[str, Any]
 def render(results: list[LayoutResult]) -> Table:
     """The results as a table."""
     table = Table(title="layouts (first batch: seconds from building the loader)")
-    columns = ("layout", "latency ms", "samples/s", "MB/s", "warm samples/s", "cold s", "warm s", "resume s")
-    columns += ("requests",)
+    columns: tuple[str, ...] = ("layout", "latency ms", "samples/s", "MB/s", "warm samples/s", "cold s", "warm s")
+    columns += ("resume s", "requests")
     for name in (*columns, "fetched / used", "high water / budget"):
         table.add_column(name, justify="right" if name != "layout" else "left")
     for r in results:
