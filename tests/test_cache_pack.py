@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,9 +15,11 @@ from cachefactory import tiny_cache
 from image_edit_data.cache.cli import cache_main
 from image_edit_data.cache.pack import pack_cache
 from image_edit_data.dataset import ImageEditDataset
+from image_edit_data.index import CacheIndex
 from image_edit_data.index_store import open_index
 from image_edit_data.loader import ImageEditDataloaderConfig
 from image_edit_data.plan import plan_epoch
+from image_edit_data.sampler import BucketBatchSampler, ResumeMismatchError
 from image_edit_data.validate import CacheFormatError
 
 
@@ -169,3 +172,38 @@ def test_a_shard_local_shuffle_is_a_pure_function_that_keeps_windows_of_shards_t
     assert sorted(plan(0).tolist()) == list(range(len(index)))
     runs = [int(s) for s, _ in __import__("itertools").groupby(shard_of[plan(0)])]
     assert len(runs) == len(set(runs)) == len(index.shards)  # window 1: each shard read in one go
+
+
+def shard_sampler(index: CacheIndex, window: int, **options: Any) -> BucketBatchSampler:
+    members = index.bucket_members()
+    return BucketBatchSampler(
+        bucket_members=members,
+        batch_sizes=[2] * len(members),
+        data_fingerprint=index.fingerprint,
+        shard_of=index.member_shard,
+        shard_window=window,
+        **options,
+    )
+
+
+def test_a_shard_window_sampler_resumes_mid_epoch_exactly_and_refuses_another_window(packed: Path) -> None:
+    index = open_index(packed)
+    whole = [list(b) for b in shard_sampler(index, 2, epoch=1)]
+    first = shard_sampler(index, 2, epoch=1)
+    taken = [list(b) for _, b in zip(range(3), first)]
+    resumed = shard_sampler(index, 2)
+    resumed.load_state_dict(first.state_dict())
+    assert taken + [list(b) for b in resumed] == whole
+    with pytest.raises(ResumeMismatchError, match="shard_window: checkpoint 2, now None"):
+        shard_sampler(index, 0).load_state_dict(first.state_dict())
+
+
+def test_a_shard_window_sampler_resumes_elastically_on_fewer_ranks_with_every_sample_once(packed: Path) -> None:
+    index = open_index(packed)
+    options = dict(drop_last=False, elastic=True)
+    ranks = [shard_sampler(index, 2, rank=r, world_size=2, **options) for r in range(2)]  # type: ignore[arg-type]
+    seen = [i for sampler in ranks for _, b in zip(range(2), sampler) for i in b]
+    single = shard_sampler(index, 2, **options)  # type: ignore[arg-type]
+    single.load_state_dict(ranks[0].state_dict())
+    seen += [i for b in single for i in b]
+    assert sorted(set(seen)) == list(range(len(index)))
