@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,16 +41,34 @@ class ShardPrefetcher:
         self._pending: dict[int, Future[bool]] = {}
         self.errors: list[BaseException] = []
 
-    def __call__(self, sampler: PlannedSampler, step: int) -> None:
-        """Batch `step` of the current epoch is being handed out: pin and fetch the window around it."""
-        plan = sampler.plan()
-        local = step - sampler.segment_start
-        first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)  # type: ignore[arg-type]
-        samples = plan.step_samples(slice(first, last))  # type: ignore[attr-defined]
-        order = self.member_shard[samples]  # [samples in window] shard numbers, in plan order
+    def shards_of(self, plan: Any, first: int, last: int) -> list[int]:
+        """Distinct shards of every rank's batches in steps [first, last), in order of first use."""
+        order = self.member_shard[plan.step_samples(slice(first, last))]  # [samples] shard numbers, plan order
         _, first_seen = np.unique(order, return_index=True)
-        needed = [int(n) for n in order[np.sort(first_seen)]]
+        return [int(n) for n in order[np.sort(first_seen)]]
+
+    def upcoming(self, plan: Any, start: int, count: int) -> list[int]:
+        """The next `count` distinct shards the plan reads from step `start` on (fewer near the epoch's end)."""
+        found: list[int] = []
+        chunk = max(self.ahead, 16)
+        while len(found) < count and start < len(plan):
+            for number in self.shards_of(plan, start, min(len(plan), start + chunk)):
+                if number not in found:
+                    found.append(number)
+            start += chunk
+        return found[:count]
+
+    def __call__(self, sampler: PlannedSampler, step: int) -> None:
+        """Batch `step` of the current epoch is being handed out: pin the window around it, fetch ahead."""
+        plan: Any = sampler.plan()
+        local = step - sampler.segment_start
+        first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)
+        needed = self.shards_of(plan, first, last)
+        # Beyond the pinned window, look as many shards ahead as the budget holds besides it.
+        room = max(0, self.cache.budget // max(s.nbytes for s in self.cache.shards) - len(needed))
+        ahead = [n for n in self.upcoming(plan, last, room + len(needed)) if n not in needed][:room]
         self.cache.pin(set(needed))
+        needed += ahead
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-prefetch")
         for number, future in list(self._pending.items()):

@@ -20,6 +20,8 @@ from ..payload import OpenPayload, open_payload
 from .remote import RemoteStore
 from .shard_cache import ShardCache
 
+DOWNLOAD_WAIT = 30.0  # seconds a reader waits for a shard download in progress before fetching its own bytes
+
 
 def memory_file(data: bytes, name: str) -> tuple[int, os.stat_result]:
     """An anonymous file holding `data` (memfd on Linux), as a descriptor and its stat."""
@@ -75,7 +77,7 @@ class PayloadReader:
                 fail(shard.path, "file", f"cannot be read: {error.strerror or error}")
             return open_checked(path, descriptor, info, shard.nbytes, shard.path, display, (offset, length))
         if self.shard_cache is not None:
-            local = self.shard_cache.open_cached(number)
+            local = self.shard_cache.open_when_cached(number, timeout=DOWNLOAD_WAIT)
             if local is not None:
                 descriptor, info = local
                 path = str(self.shard_cache.local_path(number))

@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,6 +87,23 @@ class ShardCache:
         with contextlib.suppress(OSError):
             os.utime(descriptor)  # recency for eviction
         return descriptor, os.fstat(descriptor)
+
+    def downloading(self, number: int) -> bool:
+        """Whether some process on the node is downloading shard `number` right now."""
+        prefix = f".{self.shards[number].sha256}."
+        return any(name.startswith(prefix) and name.endswith(".tmp") for name in os.listdir(self.directory))
+
+    def open_when_cached(self, number: int, timeout: float) -> tuple[int, os.stat_result] | None:
+        """`open_cached`, first waiting up to `timeout` seconds while a download of the shard is in progress.
+
+        Waiting for a download already under way costs less than fetching the same bytes a second time.
+        """
+        deadline = time.monotonic() + timeout
+        opened = self.open_cached(number)
+        while opened is None and time.monotonic() < deadline and self.downloading(number):
+            time.sleep(0.005)
+            opened = self.open_cached(number)
+        return opened
 
     @contextlib.contextmanager
     def directory_lock(self) -> Iterator[None]:
