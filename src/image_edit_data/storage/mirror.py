@@ -8,7 +8,6 @@ bytes did not change is not rewritten, which keeps the stored index current acro
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 from ..atomic import write_bytes_atomic
@@ -50,6 +49,4 @@ def open_remote_index(store: RemoteStore, local_dir: Path, use_store: bool = Tru
     _, shards = load_manifest(mirror)  # names checked to stay inside the cache before anything is fetched
     for shard in shards:
         refresh(mirror / shard, store.read_all(shard))
-    index = open_index(mirror, use_store=use_store)
-    json.dumps(index.manifest)  # the manifest came from JSON, so it stays serialisable
-    return index
+    return open_index(mirror, use_store=use_store)
