@@ -33,6 +33,14 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def die_with_parent() -> None:
+    """In the server's process: ask Linux for SIGTERM when the parent dies, so a killed test leaves no server."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 @contextlib.contextmanager
 def moto_server(timeout: float = 30.0) -> Iterator[dict[str, Any]]:
     """Run moto's S3 server; yield the fsspec storage options that reach it (and set the dummy environment)."""
@@ -44,6 +52,7 @@ def moto_server(timeout: float = 30.0) -> Iterator[dict[str, Any]]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **ENVIRONMENT},
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,
     )
     try:
         deadline = time.monotonic() + timeout
