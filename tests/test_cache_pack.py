@@ -207,3 +207,9 @@ def test_a_shard_window_sampler_resumes_elastically_on_fewer_ranks_with_every_sa
     single.load_state_dict(ranks[0].state_dict())
     seen += [i for b in single for i in b]
     assert sorted(set(seen)) == list(range(len(index)))
+
+
+def test_a_file_url_reads_as_the_local_directory(packed: Path) -> None:
+    local, url = ImageEditDataset(packed), ImageEditDataset(f"file://{packed}")
+    assert url.reader is not None and url.reader.store is None  # read in place, no fsspec round trip
+    assert torch.equal(url[4]["target_latent"], local[4]["target_latent"])

@@ -268,3 +268,28 @@ def test_a_real_fit_with_workers_on_s3_killed_after_a_checkpoint_resumes_exactly
     resumed = run("run", "--ckpt", str(tmp_path / "run" / "ckpt" / "step=6.ckpt"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert records(tmp_path / "run") == records(tmp_path / "whole")
+
+
+def test_the_prefetcher_downloads_the_shards_the_plan_reads_next_within_the_budget(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path
+) -> None:
+    config = ImageEditDataloaderConfig(
+        packed_url,
+        num_workers=0,
+        storage_options=s3,
+        remote_read="shard_cache",
+        local_cache_dir=str(tmp_path),
+        shard_cache_bytes=3 * 10240,
+        shard_window=1,
+    )
+    built = config.build(dp_rank=0, dp_world_size=1, batch_size=2)
+    sampler, prefetcher = built.sampler, built.sampler.observer
+    assert prefetcher is not None
+    first = next(iter(sampler))  # handing out step 0 starts the downloads
+    prefetcher.wait()
+    cache = prefetcher.cache
+    shard_of = built.dataloader.dataset.index.member_shard
+    assert all(cache.local_path(int(shard_of[i])).exists() for i in first)
+    cached = list((cache.directory).glob("*.tar"))
+    assert 1 <= len(cached) <= 3 and cache.high_water <= 3 * 10240
+    prefetcher.close()

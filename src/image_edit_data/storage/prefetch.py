@@ -37,6 +37,7 @@ class ShardPrefetcher:
         self.ahead = ahead
         self.behind = behind
         self.threads = threads
+        self.slots = cache.budget // max((s.nbytes for s in cache.shards), default=1)  # shards the budget holds
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future[bool]] = {}
         self.errors: list[BaseException] = []
@@ -65,7 +66,7 @@ class ShardPrefetcher:
         first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)
         needed = self.shards_of(plan, first, last)
         # Beyond the pinned window, look as many shards ahead as the budget holds besides it.
-        room = max(0, self.cache.budget // max(s.nbytes for s in self.cache.shards) - len(needed))
+        room = max(0, self.slots - len(needed))
         ahead = [n for n in self.upcoming(plan, last, room + len(needed)) if n not in needed][:room]
         self.cache.pin(set(needed))
         needed += ahead
