@@ -293,3 +293,19 @@ def test_the_prefetcher_downloads_the_shards_the_plan_reads_next_within_the_budg
     cached = list((cache.directory).glob("*.tar"))
     assert 1 <= len(cached) <= 3 and cache.high_water <= 3 * 10240
     prefetcher.close()
+
+
+def test_a_shard_another_process_is_downloading_is_not_fetched_twice(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path
+) -> None:
+    index, reader = open_location(packed_url, storage_options=s3, local_cache_dir=str(tmp_path))
+    assert reader is not None and reader.store is not None
+    directory = tmp_path / "shards"
+    cache = ShardCache(reader.store, index.shards, directory, 4 * 10240)
+    busy = directory / f".{index.shards[3].sha256}.{os.getpid()}.7.tmp"  # a live process's download
+    busy.write_bytes(b"")
+    assert not cache.fetch(3) and not cache.local_path(3).exists()
+    assert [p.name for p in directory.glob(".*.tmp")] == [busy.name]
+    assert cache.open_when_cached(3, timeout=0.05) is None  # a reader waits a bounded time, then reads ranges
+    busy.unlink()
+    assert cache.fetch(3) and cache.open_when_cached(3, timeout=0.05) is not None

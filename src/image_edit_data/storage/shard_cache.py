@@ -89,9 +89,14 @@ class ShardCache:
         return descriptor, os.fstat(descriptor)
 
     def downloading(self, number: int) -> bool:
-        """Whether some process on the node is downloading shard `number` right now."""
+        """Whether a live process on the node is downloading shard `number` right now."""
         prefix = f".{self.shards[number].sha256}."
-        return any(name.startswith(prefix) and name.endswith(".tmp") for name in os.listdir(self.directory))
+        for name in os.listdir(self.directory):
+            if name.startswith(prefix) and name.endswith(".tmp"):
+                pid = name[len(prefix) :].split(".")[0]
+                if pid.isdigit() and pid_alive(int(pid)):
+                    return True
+        return False
 
     def open_when_cached(self, number: int, timeout: float) -> tuple[int, os.stat_result] | None:
         """`open_cached`, first waiting up to `timeout` seconds while a download of the shard is in progress.
@@ -159,8 +164,8 @@ class ShardCache:
         """Make room for shard `number` and allocate its temporary file; None when pinned shards fill the budget."""
         need = self.shards[number].nbytes
         with self.directory_lock():
-            if self.local_path(number).exists():
-                return None
+            if self.local_path(number).exists() or self.downloading(number):
+                return None  # done, or another rank or worker on the node is fetching it
             used, complete = self.used_bytes()
             mine = {str(self.local_path(n)) for n in self._pins}
             for _, path, size in sorted(complete):
