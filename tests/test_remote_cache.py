@@ -308,4 +308,7 @@ def test_a_shard_another_process_is_downloading_is_not_fetched_twice(
     assert [p.name for p in directory.glob(".*.tmp")] == [busy.name]
     assert cache.open_when_cached(3, timeout=0.05) is None  # a reader waits a bounded time, then reads ranges
     busy.unlink()
-    assert cache.fetch(3) and cache.open_when_cached(3, timeout=0.05) is not None
+    assert cache.fetch(3)
+    opened = cache.open_when_cached(3, timeout=0.05)
+    assert opened is not None
+    os.close(opened[0])
