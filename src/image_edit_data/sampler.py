@@ -93,7 +93,8 @@ class BucketBatchSampler:
         # Packed caches: sample -> shard, and the shard-local shuffle window (0: shuffle whole buckets).
         self.shard_of = shard_of
         self.shard_window = shard_window
-        # Called as observer(self, step) as each batch is handed out (the remote shard prefetcher).
+        # Called as observer(self, step) as each batch is handed out, and with step = len(self) once the
+        # epoch is handed out (the remote shard prefetcher).
         self.observer: Callable[[Any, int], None] | None = None
         self.epoch = epoch
         self.consumed = 0
@@ -157,6 +158,8 @@ class BucketBatchSampler:
             batch = PlannedBatch(self.batch_for(self.consumed).tolist(), self.epoch, self.consumed)
             self.consumed += 1
             yield batch
+        if self.observer is not None:
+            self.observer(self, total)
         self._ran_to_end = True
 
     def batch_for(self, step: int) -> np.ndarray:

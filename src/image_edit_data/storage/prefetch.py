@@ -25,6 +25,8 @@ class PlannedSampler(Protocol):
 
     segment_start: int
 
+    def __len__(self) -> int: ...
+
     def plan(self) -> object: ...
 
 
@@ -63,6 +65,10 @@ class ShardPrefetcher:
         """Batch `step` of the current epoch is being handed out: pin the window around it, fetch ahead."""
         plan: Any = sampler.plan()
         local = step - sampler.segment_start
+        if step >= len(sampler):
+            # The epoch is handed out: finish downloads before the next epoch's workers fork.
+            self.wait()
+            return
         first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)
         needed = self.shards_of(plan, first, last)
         # Beyond the pinned window, look as many shards ahead as the budget holds besides it.
