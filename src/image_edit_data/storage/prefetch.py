@@ -2,8 +2,9 @@
 
 The sampler calls the prefetcher each time it hands out a batch (in the training process, where
 the plan lives). The prefetcher pins the shards of every rank's batches from `behind` steps before
-that one (handed out, maybe not yet loaded by a worker) to `ahead` steps after it, then downloads
-the missing ones in plan order on background threads. Pinned shards are never evicted, by this
+that one (handed out, maybe not yet loaded by a worker) to `ahead` steps after it, plus as many
+further shards in plan order as the budget holds, then downloads the missing ones in plan order on
+background threads. Pinned shards are never evicted, by this
 process or another on the node; a shard that does not fit yet is read by ranged requests instead.
 """
 
@@ -71,11 +72,11 @@ class ShardPrefetcher:
             return
         first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)
         needed = self.shards_of(plan, first, last)
-        # Beyond the pinned window, look as many shards ahead as the budget holds besides it.
+        # Beyond the window, look as many shards ahead as the budget holds besides it, and pin those
+        # too: a shard fetched ahead is not evicted before the plan reaches it.
         room = max(0, self.slots - len(needed))
-        ahead = [n for n in self.upcoming(plan, last, room + len(needed)) if n not in needed][:room]
+        needed += [n for n in self.upcoming(plan, last, room + len(needed)) if n not in needed][:room]
         self.cache.pin(set(needed))
-        needed += ahead
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-prefetch")
         for number, future in list(self._pending.items()):
