@@ -142,6 +142,9 @@ class FitOptions:
     seed: int = 42
     elastic: bool = False  # allow resuming on another number of ranks
     in_process: bool = False  # raise SimulatedKill instead of exiting (one device only)
+    storage_options: str | None = None  # JSON fsspec options when `cache` is a URL
+    remote_read: str = "range"  # "range" or "shard_cache" for remote packed caches
+    local_cache_dir: str | None = None  # where a remote cache keeps its index copy and shards
 
     def __or__(self, changes: dict[str, Any]) -> FitOptions:
         """A copy with `changes` applied."""
@@ -158,6 +161,9 @@ def fit(options: FitOptions) -> None:
         num_workers=options.num_workers,
         seed=options.seed,
         elastic=options.elastic,
+        storage_options=json.loads(options.storage_options) if options.storage_options else None,
+        remote_read=options.remote_read,  # type: ignore[arg-type]
+        local_cache_dir=options.local_cache_dir,
     )
     checkpoint = KillAfterCheckpoint(
         kill_at_step=options.kill_at_step,

@@ -14,7 +14,18 @@ import yaml
 import image_edit_data
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["batch", "bench", "cache", "contract", "examples", "index", "lightning", "payload", "sampling"]
+SUBPACKAGES = [
+    "batch",
+    "bench",
+    "cache",
+    "contract",
+    "examples",
+    "index",
+    "lightning",
+    "payload",
+    "sampling",
+    "storage",
+]
 WITHOUT_LIGHTNING = [name for name in SUBPACKAGES if name not in ("examples", "lightning")]
 MOVED = [
     ("image_edit_data.model", "image_edit_data.examples.model", "ImageEditFlowModel"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ from .contract import validate
 from .contract.paths import ContainedOpener
 from .contract.signature import Signature
 from .index.index import CacheIndex
-from .index.store import open_index
 from .payload.corrupt import CorruptPolicy, SkipLog
 from .payload.payload import OpenPayload, materialized, open_payload
+from .storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, local_path_of, open_location
 
 
 class ImageEditDataset(Dataset):
@@ -35,12 +36,25 @@ class ImageEditDataset(Dataset):
         on_corrupt_sample: CorruptPolicy = "raise",
         max_corrupt_fraction: float = 0.01,
         quarantine_file: str | Path | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        remote_read: RemoteRead = "range",
+        local_cache_dir: str | None = None,
+        shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
     ) -> None:
         if isinstance(quantization, bool) or not isinstance(quantization, int) or quantization <= 0:
             raise ValueError(f"quantization must be a positive integer, got {quantization!r}")
-        self.cache_dir = Path(cache_dir)
+        # A URL stays a string (Path would fold its "//"); see storage/location.py for the remote options.
+        self.cache_dir: Path | str = Path(cache_dir) if local_path_of(cache_dir) == str(cache_dir) else str(cache_dir)
         self.quantization = quantization
-        self.index: CacheIndex = open_index(cache_dir, use_store=use_index_store)
+        self.index: CacheIndex
+        self.index, self.reader = open_location(
+            cache_dir,
+            use_store=use_index_store,
+            storage_options=storage_options,
+            remote_read=remote_read,
+            local_cache_dir=local_cache_dir,
+            shard_cache_bytes=shard_cache_bytes,
+        )
         self.skips = SkipLog(
             on_corrupt_sample, max_corrupt_fraction, len(self.index), Path(quarantine_file) if quarantine_file else None
         )
@@ -78,12 +92,16 @@ class ImageEditDataset(Dataset):
 
     def open_sample(self, idx: int) -> tuple[dict[str, Any], OpenPayload]:
         """Open payload `idx` and check it against the contract and its index record (no tensor bytes read yet)."""
-        relative = self.index.relative_path(idx)
-        try:
-            path, descriptor, info = self.opener.open(relative, relative)
-        except OSError as error:
-            validate.fail(relative, "file", f"cannot be read: {error.strerror or error}")
-        payload = open_payload(path, relative, (descriptor, info))
+        if self.reader is not None:  # a packed or remote cache (storage/reader.py)
+            relative = self.reader.display(idx)
+            payload = self.reader.open(idx)
+        else:
+            relative = self.index.relative_path(idx)
+            try:
+                path, descriptor, info = self.opener.open(relative, relative)
+            except OSError as error:
+                validate.fail(relative, "file", f"cannot be read: {error.strerror or error}")
+            payload = open_payload(path, relative, (descriptor, info))
         try:
             sample = validate.payload(payload.fields, self.index.signature(idx), relative, self.index.source_revision)
         except BaseException:

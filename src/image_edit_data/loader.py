@@ -13,10 +13,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .batch.collate import collate_image_edit
 from .dataset import ImageEditDataset
-from .index.store import STORE_DIR
 from .payload.corrupt import CorruptPolicy
 from .sampling.plan import BucketOrder
 from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError, check_rank
+from .storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, quarantine_default
+from .storage.prefetch import ShardPrefetcher
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -132,17 +133,31 @@ class ImageEditDataloaderConfig:
     """With "skip": fail anyway once more than this fraction of the cache was skipped (per loader process)."""
     quarantine_file: str | None = None
     """With "skip": JSONL file listing skipped samples (default: `.image_edit_data/quarantine.jsonl` in the cache)."""
+    storage_options: dict[str, Any] | None = None
+    """fsspec options when `cache_dir` is a URL (e.g. `{"endpoint_url": ..., "key": ..., "secret": ...}` for s3)."""
+    remote_read: RemoteRead = "range"
+    """Remote packed caches: "range" reads each sample with one ranged request; "shard_cache" downloads shards."""
+    local_cache_dir: str | None = None
+    """Node-local directory for remote index copies and cached shards (default: the user cache directory)."""
+    shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES
+    """Byte budget of the local shard cache (at least the largest shard)."""
+    shard_window: int = 0
+    """Packed caches: shuffle shards, and samples only within this many shards, for local reads (0: whole bucket)."""
 
     def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset:
         """Open `cache_dir` (default: the configured one) with this config's corrupt-sample policy."""
         directory = cache_dir or self.cache_dir
-        quarantine = self.quarantine_file or str(Path(directory) / STORE_DIR / "quarantine.jsonl")
+        quarantine = Path(self.quarantine_file) if self.quarantine_file else quarantine_default(directory)
         return ImageEditDataset(
             directory,
             quantization=self.quantization,
             on_corrupt_sample=self.on_corrupt_sample,
             max_corrupt_fraction=self.max_corrupt_fraction,
             quarantine_file=quarantine,
+            storage_options=self.storage_options,
+            remote_read=self.remote_read,
+            local_cache_dir=self.local_cache_dir,
+            shard_cache_bytes=self.shard_cache_bytes,
         )
 
     def build(self, *, dp_rank: int, dp_world_size: int, batch_size: int) -> DiffusionDataloaderBuild:
@@ -188,7 +203,17 @@ class ImageEditDataloaderConfig:
             data_fingerprint=dataset.index.fingerprint,
             max_batches=max_batches,
             elastic=self.elastic,
+            shard_of=dataset.index.member_shard,
+            shard_window=self.shard_window,
         )
+        reader = dataset.reader
+        if reader is not None and reader.shard_cache is not None and not evaluation:
+            # Pin the batches workers may hold unloaded (prefetch_factor each) and fetch further ahead;
+            # the budget bounds what is actually downloaded.
+            in_flight = max(1, self.num_workers) * self.prefetch_factor + 1
+            shard_of = dataset.index.member_shard
+            assert shard_of is not None  # a shard cache exists only for packed caches
+            sampler.observer = ShardPrefetcher(reader.shard_cache, shard_of, 2 * in_flight + 4, in_flight)
         workers: dict[str, Any] = {}
         if self.num_workers > 0:
             workers = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}

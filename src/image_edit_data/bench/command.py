@@ -120,7 +120,30 @@ def _bench_parser() -> ArgumentParser:
     parser.add_argument("--prompt", type=str | None, default=None, help="Synthetic prompt embedding shape SxD.")
     parser.add_argument("--contexts", type=int, default=1, help="Synthetic context images per sample.")
     parser.add_argument("--out", type=str | None, default=None, help="Keep the synthetic cache in this new directory.")
+    add_remote_arguments(parser)
     return parser
+
+
+def add_remote_arguments(parser: ArgumentParser) -> None:
+    """Options of the packed/remote layout comparison (storage/bench.py)."""
+    parser.add_argument(
+        "--remote",
+        action=ActionYesNo,
+        default=False,
+        help="Compare local packed shards, S3 ranged reads and S3 shard caching with this one-file cache.",
+    )
+    parser.add_argument("--shard-bytes", type=int, default=64 << 20, help="With --remote: shard size to pack.")
+    parser.add_argument(
+        "--shard-cache-bytes", type=int | None, default=None, help="With --remote: shard cache budget (4 shards)."
+    )
+    parser.add_argument(
+        "--inject-latency-ms", type=float, nargs="+", default=[0.0], help="With --remote: delay per S3 request."
+    )
+    parser.add_argument("--shard-window", type=int, default=2, help="With --remote: shuffle window of the shard cache.")
+    parser.add_argument("--s3-url", type=str | None, default=None, help="With --remote: an S3 prefix to pack into.")
+    parser.add_argument(
+        "--storage-options", type=dict[str, Any] | None, default=None, help="With --s3-url: fsspec options as JSON."
+    )
 
 
 def make_console() -> Console:
@@ -150,6 +173,13 @@ def bench_main(argv: list[str]) -> int:
         cache_dir = write_cache(args, spec, temporary, console) if writes else Path(args.cache_dir)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=LOADER_NOISE)
+            if args.remote:  # storage/bench.py prints its own table
+                from ..storage.bench import dumps, remote_bench
+
+                numbers = remote_bench(cache_dir, args, console)
+                if args.json:
+                    Path(args.json).write_text(dumps(numbers))
+                return 0
             results = run(cache_dir, options, args, console, reference)
     except USER_ERRORS as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)

@@ -73,17 +73,23 @@ def check_cache(
 def validate_main(args: Namespace, console: Console) -> int:
     """Run `cache validate` and print the bad samples."""
     try:
-        dataset = ImageEditDataset(args.cache_dir)
+        dataset = ImageEditDataset(args.cache_dir, storage_options=args.storage_options)
     except (ValueError, OSError) as error:
         console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
         return 2
     problems = check_cache(dataset, args.check_finite, args.workers)
+    if dataset.reader is not None and dataset.index.packed:  # packed layout: sizes, hashes and tar headers too
+        from ..storage.verify import check_shards
+
+        problems += [Problem(-1, p.file, p.field, p.reason) for p in check_shards(dataset.reader)]
     if not problems:
         finite = ", all values finite" if args.check_finite else ""
         console.print(f"[green]ok:[/green] {len(dataset)} samples in {dataset.index.root} load and validate{finite}")
         return 0
-    bad = len({p.index for p in problems})
-    console.print(f"[red]{bad} of {len(dataset)} samples are bad[/red] in {dataset.index.root}:", highlight=False)
+    bad = len({p.index for p in problems if p.index >= 0})
+    shards = sum(p.index < 0 for p in problems)
+    also = f" and {shards} shard problem(s)" if shards else ""
+    console.print(f"[red]{bad} of {len(dataset)} samples are bad[/red]{also} in {dataset.index.root}:", highlight=False)
     for problem in problems:
         console.print(f"{problem.file}: {problem.field}: {problem.reason}", highlight=False, markup=False)
     return 1

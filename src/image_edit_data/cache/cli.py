@@ -6,7 +6,7 @@ Each entry point takes argv (without the program and command names) and returns 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
@@ -18,7 +18,8 @@ from .sources import BadSampleError, SequenceSource
 
 DEMO_IMAGE_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoImageEncoder", "init_args": {}}
 DEMO_TEXT_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoTextEncoder", "init_args": {}}
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeError, ImportError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeError, ImportError, OSError)
+STORAGE_HELP = 'fsspec options for URLs, as JSON (e.g. {"endpoint_url": "http://127.0.0.1:9000"}).'
 
 
 def cache_parser() -> ArgumentParser:
@@ -32,11 +33,13 @@ def cache_parser() -> ArgumentParser:
     validate.add_argument("cache_dir", type=str)
     validate.add_argument("--check-finite", action=ActionYesNo, default=False, help="Also report NaN/Inf values.")
     validate.add_argument("--workers", type=int, default=8, help="Threads loading payloads.")
+    validate.add_argument("--storage-options", type=dict[str, Any] | None, default=None, help=STORAGE_HELP)
     commands.add_subcommand("validate", validate, help="Exit 0 if sound, 1 if a sample is bad, 2 if the index is.")
     inspect = ArgumentParser(description="Bucket table and token statistics.", exit_on_error=False)
     inspect.add_argument("cache_dir", type=str)
     inspect.add_argument("--histogram", type=str | None, default=None, help="Write shape/token plots to this PNG.")
     inspect.add_argument("--patch-size", type=int | None, default=None, help="Latent cells per token side.")
+    inspect.add_argument("--storage-options", type=dict[str, Any] | None, default=None, help=STORAGE_HELP)
     commands.add_subcommand("inspect", inspect, help="Print the bucket table.")
     convert = ArgumentParser(description="Rewrite every payload in another format.", exit_on_error=False)
     convert.add_argument("cache_dir", type=str, help="The cache to read (left untouched).")
@@ -44,7 +47,21 @@ def cache_parser() -> ArgumentParser:
     convert.add_argument("--format", type=Literal["pt", "safetensors"], default="safetensors", help="Payload format.")
     convert.add_argument("--workers", type=int, default=4, help="Threads converting payloads.")
     commands.add_subcommand("convert", convert, help="Convert payloads (e.g. NeMo .pt -> safetensors); resumable.")
+    commands.add_subcommand("pack", pack_parser(), help="Pack payloads into tar shards (local or a URL); resumable.")
     return parser
+
+
+def pack_parser() -> ArgumentParser:
+    """`cache pack SRC OUT`."""
+    from .pack import DEFAULT_SHARD_BYTES
+
+    pack = ArgumentParser(description="Rewrite a cache into uncompressed tar shards, grouped by bucket.")
+    pack.add_argument("cache_dir", type=str, help="The cache to read (a directory or URL; left untouched).")
+    pack.add_argument("out_dir", type=str, help="A new directory or URL (s3://..., gs://...) for the packed cache.")
+    pack.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="Target size of one shard.")
+    pack.add_argument("--storage-options", type=dict[str, Any] | None, default=None, help=STORAGE_HELP)
+    pack.add_argument("--staging-dir", type=str | None, default=None, help="Local work directory for a URL output.")
+    return pack
 
 
 def make_console() -> Console:
@@ -73,6 +90,8 @@ def cache_main(argv: list[str]) -> int:
             return validate_main(args.validate, console)
         if command == "convert":
             return convert_main(args.convert, console)
+        if command == "pack":
+            return pack_main(args.pack, console)
         from .inspect import inspect_main
 
         return inspect_main(args.inspect, console)
@@ -94,6 +113,20 @@ def convert_main(args: Namespace, console: Console) -> int:
     console.print(
         f"converted {report.converted} samples ({report.reused} already done) into {args.out_dir} "
         f"as {args.format}, {report.shards} index shard(s)",
+        highlight=False,
+    )
+    return 0
+
+
+def pack_main(args: Namespace, console: Console) -> int:
+    """Run `cache pack` and report what it wrote."""
+    from .pack import pack_cache
+
+    options, staging = args.storage_options, args.staging_dir
+    report = pack_cache(args.cache_dir, args.out_dir, args.shard_bytes, storage_options=options, staging_dir=staging)
+    console.print(
+        f"packed {report.samples} samples ({report.reused} already done) into {report.shards} shard(s) "
+        f"of {report.bytes} bytes in all at {args.out_dir}",
         highlight=False,
     )
     return 0

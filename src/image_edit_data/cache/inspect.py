@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ..contract.signature import Signature
-from ..index.index import UNKNOWN, CacheIndex, load_index
+from ..index.index import UNKNOWN, CacheIndex
+from ..storage.location import open_location
 from .writer import token_count
 
 
@@ -100,13 +101,16 @@ def write_histogram(index: CacheIndex, rows: list[BucketRow], path: Path) -> Non
 def inspect_main(args: Namespace, console: Console) -> int:
     """Run `cache inspect`: print the table, optionally write the PNG."""
     try:
-        index = load_index(args.cache_dir)
+        index, _ = open_location(args.cache_dir, use_store=False, storage_options=args.storage_options)
     except (ValueError, OSError) as error:
         console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
         return 2
     patch_size = args.patch_size or patch_size_of(index)
     rows = bucket_rows(index, patch_size)
     console.print(render_table(index, rows, patch_size))
+    if index.packed:  # the packed layout (storage/packed.py): how the samples are stored
+        total = sum(s.nbytes for s in index.shards)
+        console.print(f"packed: {len(index.shards)} tar shard(s), {total} bytes", highlight=False)
     if args.histogram:
         write_histogram(index, rows, Path(args.histogram))
         console.print(f"histogram written to {args.histogram}")

@@ -24,6 +24,7 @@ from ..contract import validate
 from ..contract.paths import contained, read_regular_file, resolve_inside
 from ..contract.signature import Signature, sort_key
 from ..contract.validate import CacheFormatError, fail, show
+from ..storage.packed import PackedFields, ShardInfo, is_packed, shard_list, shards_fingerprint
 
 MANIFEST = "metadata.json"
 UNKNOWN = -1  # token count not stored in the index record
@@ -43,6 +44,21 @@ class CacheIndex:
     path_offsets: np.ndarray  # [N + 1] int64
     text_tokens: np.ndarray  # [N] int32, UNKNOWN where the record does not say
     fingerprint: str = field(default="")
+    # Packed layout only (see storage/packed.py): the tar shards and where each sample's member lies.
+    shards: tuple[ShardInfo, ...] = ()
+    member_shard: np.ndarray | None = None  # [N] int32 shard number
+    member_offset: np.ndarray | None = None  # [N] int64 byte offset of the member's data in its shard
+    member_length: np.ndarray | None = None  # [N] int64 member length
+
+    @property
+    def packed(self) -> bool:
+        """Whether payloads are members of tar shards rather than files of their own."""
+        return self.member_shard is not None
+
+    def member(self, index: int) -> tuple[int, int, int]:
+        """(shard number, offset, length) of sample `index` in a packed cache."""
+        assert self.member_shard is not None and self.member_offset is not None and self.member_length is not None
+        return int(self.member_shard[index]), int(self.member_offset[index]), int(self.member_length[index])
 
     def __len__(self) -> int:
         return int(self.bucket_ids.shape[0])
@@ -82,7 +98,8 @@ class CacheIndex:
     def nbytes(self) -> int:
         """Memory held by the per-sample arrays."""
         arrays = (self.bucket_ids, self.path_blob, self.path_offsets, self.text_tokens)
-        return sum(a.nbytes for a in arrays)
+        packed = (a for a in (self.member_shard, self.member_offset, self.member_length) if a is not None)
+        return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in packed)
 
 
 def _read_json(path: Path, display: str, max_bytes: int | None = None) -> Any:
@@ -134,6 +151,8 @@ def load_index(cache_dir: str | Path) -> CacheIndex:
         raise FileNotFoundError(f"{root}: cache directory does not exist")
     manifest, shards = load_manifest(root)
     parsed = ParsedRecords(root)
+    if is_packed(manifest):  # the packed layout adds (shard, offset, length) per record
+        parsed.packed = PackedFields(shard_list(root, manifest))
     with _cyclic_gc_paused():
         for shard in shards:
             records = _read_json(resolve_inside(root, shard, MANIFEST, "shards"), shard)
@@ -141,7 +160,9 @@ def load_index(cache_dir: str | Path) -> CacheIndex:
                 fail(shard, "records", f"expected a JSON list of records, got {type(records).__name__}")
             parsed.add_shard(shard, records)
     parsed.check_unique()
-    return _build_index(root, manifest, parsed.bucket_of, parsed.bucket_ids, parsed.paths, parsed.text_tokens)
+    return _build_index(
+        root, manifest, parsed.bucket_of, parsed.bucket_ids, parsed.paths, parsed.text_tokens, parsed.packed
+    )
 
 
 @contextlib.contextmanager
@@ -179,6 +200,7 @@ class ParsedRecords:
         self.paths: list[bytes] = []
         self.text_tokens: list[int] = []
         self.shard_ends: list[tuple[str, int]] = []  # (shard, records so far), to name a record later
+        self.packed: PackedFields | None = None
 
     def add_shard(self, shard: str, records: list[Any]) -> None:
         """Check and pack every record of one shard."""
@@ -194,6 +216,8 @@ class ParsedRecords:
             self.paths.append(relative.encode("utf-8"))
             text = record.get("text_token_length")
             self.text_tokens.append(UNKNOWN if text is None else text)
+            if self.packed is not None:
+                self.packed.add(record, shard, f"[{position}]")
         self.shard_ends.append((shard, len(self.paths)))
 
     def quick(self, record: Any) -> tuple[str, Signature] | None:
@@ -289,6 +313,7 @@ def _build_index(
     bucket_ids: list[int],
     paths: list[bytes],
     text_tokens: list[int],
+    packed: PackedFields | None = None,
 ) -> CacheIndex:
     """Pack parsed records into arrays, renumbering buckets in their stable sort order."""
     signatures = tuple(sorted(bucket_of, key=sort_key))
@@ -305,6 +330,12 @@ def _build_index(
     digest.update(json.dumps([s.to_json() for s in signatures]).encode())
     for array in (ids, offsets, blob):
         digest.update(np.ascontiguousarray(array).tobytes())
+    members: dict[str, np.ndarray] = {}
+    if packed is not None:  # the shard list and member locations are part of what a resume must match
+        members = packed.arrays()
+        digest.update(shards_fingerprint(packed.shards))
+        for array in members.values():
+            digest.update(np.ascontiguousarray(array).tobytes())
     return CacheIndex(
         root=root,
         manifest=manifest,
@@ -314,4 +345,6 @@ def _build_index(
         path_offsets=offsets,
         text_tokens=text,
         fingerprint=digest.hexdigest()[:16],
+        shards=packed.shards if packed is not None else (),
+        **members,  # type: ignore[arg-type]
     )

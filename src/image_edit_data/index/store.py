@@ -20,15 +20,17 @@ import numpy as np
 
 from .._atomic import write_bytes_atomic
 from ..contract.signature import Signature
+from ..storage.packed import shards_from_json
 from .index import MANIFEST, CacheIndex, load_index, load_manifest
 
 log = logging.getLogger(__name__)
 STORE_VERSION = 1
 STORE_DIR = ".image_edit_data"
 ARRAYS = ("bucket_ids", "path_blob", "path_offsets", "text_tokens")
+PACKED_ARRAYS = ("member_shard", "member_offset", "member_length")  # packed caches only
 
 
-def _user_cache_dir() -> Path:
+def user_cache_dir() -> Path:
     """Where stored indexes of read-only caches go (`$XDG_CACHE_HOME/image_edit_data`)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "image_edit_data"
@@ -54,7 +56,7 @@ def store_key(root: Path) -> str | None:
 def candidate_paths(root: Path, key: str) -> list[Path]:
     """Beside the cache first, then the user cache directory (named after the cache's path)."""
     name = f"index-{key}.npz"
-    user = _user_cache_dir() / hashlib.sha256(str(root).encode()).hexdigest()[:16] / name
+    user = user_cache_dir() / hashlib.sha256(str(root).encode()).hexdigest()[:16] / name
     return [root / STORE_DIR / name, user]
 
 
@@ -90,10 +92,12 @@ def serialize(index: CacheIndex) -> bytes:
         "manifest": index.manifest,
         "signatures": [s.to_json() for s in index.signatures],
         "fingerprint": index.fingerprint,
+        "shards": [s.to_json() for s in index.shards],
     }
     buffer = io.BytesIO()
     header_array = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    np.savez(buffer, header=header_array, **{name: getattr(index, name) for name in ARRAYS})
+    names = ARRAYS + (PACKED_ARRAYS if index.packed else ())
+    np.savez(buffer, header=header_array, **{name: getattr(index, name) for name in names})
     return buffer.getvalue()
 
 
@@ -107,6 +111,8 @@ def _check_consistent(arrays: dict[str, np.ndarray], num_buckets: int) -> None:
         raise ValueError("bucket ids out of range")
     if offsets[0] != 0 or offsets[-1] != blob.shape[0] or np.any(np.diff(offsets) <= 0):
         raise ValueError("path offsets are not increasing within the path blob")
+    if "member_shard" in arrays and not all(arrays[name].shape == (n,) for name in PACKED_ARRAYS):
+        raise ValueError("packed member arrays disagree with the sample count")
 
 
 def _read_stored(path: Path, root: Path) -> CacheIndex | None:
@@ -117,6 +123,8 @@ def _read_stored(path: Path, root: Path) -> CacheIndex | None:
             if header.get("version") != STORE_VERSION:
                 return None
             arrays = {name: stored[name] for name in ARRAYS}
+            if header.get("shards"):
+                arrays.update({name: stored[name] for name in PACKED_ARRAYS})
         signatures = tuple(
             Signature(tuple(s["target"]), tuple(tuple(c) for c in s["contexts"]))  # type: ignore[arg-type]
             for s in header["signatures"]
@@ -126,5 +134,10 @@ def _read_stored(path: Path, root: Path) -> CacheIndex | None:
         log.warning("ignoring unreadable stored index %s (%s); parsing the shards again", path, error)
         return None
     return CacheIndex(
-        root=root, manifest=header["manifest"], signatures=signatures, fingerprint=header["fingerprint"], **arrays
+        root=root,
+        manifest=header["manifest"],
+        signatures=signatures,
+        fingerprint=header["fingerprint"],
+        shards=shards_from_json(header.get("shards") or []),
+        **arrays,  # type: ignore[arg-type]
     )

@@ -21,6 +21,7 @@ from ..loader import ImageEditDataloaderConfig
 from ..payload.corrupt import CorruptPolicy
 from ..sampling.plan import BucketOrder
 from ..sampling.sampler import ResumeMismatchError, migrate_state
+from ..storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, local_path_of
 from .loader import LightningLoader
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,12 @@ class ImageEditDataModule(pl.LightningDataModule):
         max_corrupt_fraction: With "skip", fail anyway once more than this fraction of the cache was skipped.
         demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`) holds no cache yet, first write the
             procedural demo cache there with this many samples (a tenth for validation). For quickstarts.
+        storage_options: fsspec options when `cache_dir` is a URL (s3://, gs://, az://, hf://, file://).
+        remote_read: Remote packed caches: "range" (one ranged request per sample) or "shard_cache"
+            (whole shards downloaded ahead of the plan into `local_cache_dir`).
+        local_cache_dir: Node-local directory for remote index copies and cached shards.
+        shard_cache_bytes: Byte budget of the local shard cache (at least the largest shard).
+        shard_window: Packed caches: shuffle shards and samples only within this many shards (0: whole bucket).
     """
 
     def __init__(
@@ -88,6 +95,11 @@ class ImageEditDataModule(pl.LightningDataModule):
         on_corrupt_sample: CorruptPolicy = "raise",
         max_corrupt_fraction: float = 0.01,
         demo_samples: int = 0,
+        storage_options: dict[str, Any] | None = None,
+        remote_read: RemoteRead = "range",
+        local_cache_dir: str | None = None,
+        shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
+        shard_window: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -113,6 +125,11 @@ class ImageEditDataModule(pl.LightningDataModule):
             elastic=elastic,
             on_corrupt_sample=on_corrupt_sample,
             max_corrupt_fraction=max_corrupt_fraction,
+            storage_options=storage_options,
+            remote_read=remote_read,
+            local_cache_dir=local_cache_dir,
+            shard_cache_bytes=shard_cache_bytes,
+            shard_window=shard_window,
         )
         self.train_dataset: ImageEditDataset | None = None
         self.val_dataset: ImageEditDataset | None = None
@@ -128,6 +145,8 @@ class ImageEditDataModule(pl.LightningDataModule):
         if self.val_cache_dir:
             targets.append((self.val_cache_dir, max(1, self.demo_samples // 10), 1))
         for directory, count, seed in targets:
+            if local_path_of(directory) is None:
+                continue  # a remote cache is never written here
             if not (Path(directory) / MANIFEST).exists():
                 write_demo_cache(directory, count, seed)
 

@@ -68,21 +68,28 @@ class OpenPayload:
         self.close()
 
 
-def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_result] | None = None) -> OpenPayload:
+def open_payload(
+    path: Path | str,
+    display: str,
+    opened: tuple[int, os.stat_result] | None = None,
+    member: tuple[int, int] | None = None,
+) -> OpenPayload:
     """Open one payload without running any code from the file; its tensors are read later, once.
 
     `opened` is the descriptor and stat of `path` when the caller has opened it already (this
-    function then owns the descriptor).
+    function then owns the descriptor). `member` is `(offset, length)` of a safetensors payload
+    stored inside a larger file (a packed tar shard, see storage/packed.py).
     """
     try:
         descriptor, info = opened or open_regular(path, display)
     except OSError as error:
         fail(display, "file", f"cannot be read: {error.strerror or error}")
-    if format_of(path) == "safetensors":
+    if member is not None or format_of(path) == "safetensors":
+        base, size = member if member is not None else (0, info.st_size)
         try:
-            if info.st_size == 0:
+            if size == 0:
                 fail(display, "file", "is empty (0 bytes)")
-            return OpenPayload(_from_safetensors(descriptor, info.st_size, display), descriptor)
+            return OpenPayload(from_safetensors(descriptor, size, display, base), descriptor)
         except OSError as error:
             os.close(descriptor)
             fail(display, "file", f"cannot be read: {error.strerror or error}")
@@ -208,9 +215,9 @@ def _unpickler_reason(error: pickle.UnpicklingError) -> str:
     return " ".join(text.split()) or "no reason given"
 
 
-def _from_safetensors(descriptor: int, size: int, display: str) -> dict[str, Any]:
+def from_safetensors(descriptor: int, size: int, display: str, base: int = 0) -> dict[str, Any]:
     """Rebuild the payload dict from our safetensors form, its tensors as `FileTensor`s of `descriptor`."""
-    tensors, extra = read_header(descriptor, size, display)
+    tensors, extra = read_header(descriptor, size, display, base)
     if extra.get(FORMAT_KEY) != FORMAT_VERSION:
         fail(
             display,

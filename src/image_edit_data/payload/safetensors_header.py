@@ -39,16 +39,22 @@ def unreadable(display: str, reason: str) -> NoReturn:
     fail(display, "payload", f"not a readable safetensors file ({reason})")
 
 
-def read_header(descriptor: int, size: int, display: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
-    """The tensors (as checked `FileTensor`s of `descriptor`) and the string metadata of a safetensors file."""
+def read_header(
+    descriptor: int, size: int, display: str, base: int = 0
+) -> tuple[dict[str, FileTensor], dict[str, str]]:
+    """The tensors (as checked `FileTensor`s of `descriptor`) and the string metadata of a safetensors file.
+
+    `base` is where the safetensors bytes start in the file (a member of a packed tar shard) and
+    `size` their length; every tensor must lie inside that range.
+    """
     if size < 8:
         unreadable(display, f"{size} bytes, shorter than the 8-byte header length")
-    head = os.pread(descriptor, FIRST_READ, 0)
+    head = os.pread(descriptor, min(FIRST_READ, size), base)
     header_length = int.from_bytes(head[:8], "little")
     if header_length > min(MAX_HEADER, size - 8):
         unreadable(display, f"header length {header_length} exceeds the {size}-byte file")
     if 8 + header_length > len(head):
-        head = os.pread(descriptor, 8 + header_length, 0)
+        head = os.pread(descriptor, 8 + header_length, base)
         if len(head) < 8 + header_length:
             unreadable(display, "the file ended inside the header")
     try:
@@ -60,8 +66,8 @@ def read_header(descriptor: int, size: int, display: str) -> tuple[dict[str, Fil
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         unreadable(display, "__metadata__ must map names to strings")
-    data_start = 8 + header_length
-    data_size = size - data_start
+    data_start = base + 8 + header_length
+    data_size = size - 8 - header_length
     tensors = {
         name: _entry_tensor(descriptor, data_start, data_size, name, entry, display) for name, entry in header.items()
     }

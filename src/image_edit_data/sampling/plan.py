@@ -100,11 +100,39 @@ def plan_steps(
     return EpochPlan(world_size=world_size, flat=flat, start=start, size=size, bucket=bucket)
 
 
-def shuffled_members(members: Sequence[np.ndarray], seed: int, epoch: int, shuffle: bool) -> list[np.ndarray]:
-    """Each bucket's members, permuted from (seed, epoch, bucket) when shuffling."""
+def shuffled_members(
+    members: Sequence[np.ndarray],
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    shard_of: np.ndarray | None = None,
+    shard_window: int = 0,
+) -> list[np.ndarray]:
+    """Each bucket's members, permuted from (seed, epoch, bucket) when shuffling.
+
+    With `shard_of` (sample -> shard number of a packed cache) and `shard_window` > 0, the shuffle
+    keeps reads local: a bucket's shards are put in a random order, and samples are shuffled only
+    among those of `shard_window` consecutive shards of that order.
+    """
     if not shuffle:
         return list(members)
-    return [rng_for(seed, epoch, b).permutation(m) for b, m in enumerate(members)]
+    if shard_of is None or shard_window <= 0:
+        return [rng_for(seed, epoch, b).permutation(m) for b, m in enumerate(members)]
+    return [
+        shard_local_permutation(m, shard_of[m], rng_for(seed, epoch, b), shard_window) for b, m in enumerate(members)
+    ]
+
+
+def shard_local_permutation(
+    members: np.ndarray, shards: np.ndarray, rng: np.random.Generator, window: int
+) -> np.ndarray:
+    """`members` with their shards in random order and samples shuffled within windows of `window` shards."""
+    distinct = np.unique(shards)  # [S] this bucket's shards, ascending
+    rank = np.empty(int(distinct.max()) + 1 if distinct.size else 0, dtype=np.int64)
+    rank[rng.permutation(distinct)] = np.arange(distinct.size)  # shard -> its place in the shuffled order
+    group = rank[shards] // window  # [n] window of each member
+    keys = rng.random(members.shape[0])  # [n] random order inside a window
+    return members[np.lexsort((keys, group))]
 
 
 def plan_epoch(
@@ -118,15 +146,18 @@ def plan_epoch(
     drop_last: bool,
     order: BucketOrder,
     history: Sequence[tuple[int, int]] = (),
+    shard_of: np.ndarray | None = None,
+    shard_window: int = 0,
 ) -> EpochPlan:
     """The plan every rank follows for `epoch`.
 
     `history` lists earlier segments of this epoch run at other world sizes, as
     `(world_size, steps consumed)`. Their consumed samples are removed and the rest is dealt
     again to `world_size` ranks (elastic resume); continuation segments pad short tails instead
-    of dropping them, so no sample that was due in this epoch is lost.
+    of dropping them, so no sample that was due in this epoch is lost. `shard_of` and
+    `shard_window` make the shuffle shard-local (see `shuffled_members`).
     """
-    ordered = shuffled_members(members, seed, epoch, shuffle)
+    ordered = shuffled_members(members, seed, epoch, shuffle, shard_of, shard_window)
     tail: Tail = "drop" if drop_last else "short"
     rng = rng_for(seed, epoch, 1 << 20) if shuffle else None
     worlds = [w for w, _ in history] + [world_size]

@@ -15,7 +15,7 @@ the next epoch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,8 @@ class BucketBatchSampler:
         data_fingerprint: str = "",
         max_batches: int | None = None,
         elastic: bool = False,
+        shard_of: np.ndarray | None = None,
+        shard_window: int = 0,
     ) -> None:
         check_rank(rank, world_size)
         if len(batch_sizes) != len(bucket_members):
@@ -88,6 +90,12 @@ class BucketBatchSampler:
         self.max_batches = max_batches
         self.elastic = elastic
         self.data_fingerprint = data_fingerprint
+        # Packed caches: sample -> shard, and the shard-local shuffle window (0: shuffle whole buckets).
+        self.shard_of = shard_of
+        self.shard_window = shard_window
+        # Called as observer(self, step) as each batch is handed out, and with step = len(self) once the
+        # epoch is handed out (the remote shard prefetcher).
+        self.observer: Callable[[Any, int], None] | None = None
         self.epoch = epoch
         self.consumed = 0
         self.history: list[tuple[int, int]] = []
@@ -118,6 +126,8 @@ class BucketBatchSampler:
                 drop_last=self.drop_last,
                 order=self.bucket_order,
                 history=self.history,
+                shard_of=self.shard_of,
+                shard_window=self.shard_window,
             )
             self._plan_key = key
         return self._plan
@@ -143,9 +153,13 @@ class BucketBatchSampler:
             self.advance_epoch(self.epoch + 1)  # the last epoch ran to its end and nobody called set_epoch
         total = len(self)
         while self.consumed < total:
+            if self.observer is not None:
+                self.observer(self, self.consumed)
             batch = PlannedBatch(self.batch_for(self.consumed).tolist(), self.epoch, self.consumed)
             self.consumed += 1
             yield batch
+        if self.observer is not None:
+            self.observer(self, total)
         self._ran_to_end = True
 
     def batch_for(self, step: int) -> np.ndarray:
@@ -174,6 +188,7 @@ class BucketBatchSampler:
             "drop_last": self.drop_last,
             "bucket_order": self.bucket_order,
             "world_size": self.world_size,
+            **({"shard_window": self.shard_window} if self.shard_window else {}),  # absent: old checkpoints match
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,285 @@
+"""`cache pack`: rewrite any cache into uncompressed tar shards of `<id>.safetensors` members, grouped by bucket.
+
+Each shard holds samples of one bucket only, in index order, filled up to `shard_bytes`. The new
+index keeps the source's samples in the source's order and records per sample `(shard, offset,
+length)`; the manifest lists every shard with its size and SHA-256 (see storage/packed.py). So
+training reads a sample with one seek, and any tar tool can list or extract a shard.
+
+Like `cache convert`, packing is atomic and resumable: a shard is written to a temporary file and
+renamed into place, then journalled in `progress/pack.jsonl`; rerunning the same command skips
+the journalled shards, and the index (shards, then `metadata.json`) is written last. A URL
+destination is packed in a local staging directory and each finished shard is uploaded as one
+object (objects appear whole or not at all); `metadata.json` is uploaded last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .._atomic import atomic_writer, write_text_atomic
+from ..dataset import ImageEditDataset
+from ..index.index import MANIFEST
+from ..payload.payload import to_safetensors
+from ..storage.location import local_path_of
+from ..storage.mirror import local_dir_for
+from ..storage.packed import LAYOUT, LAYOUT_KEY, SHARDS_KEY, ShardInfo
+from ..storage.remote import RemoteStore
+from .convert import RECORDS_PER_SHARD, converted_name
+from .journal import settings_differences
+from .merge import shard_name
+
+DEFAULT_SHARD_BYTES = 256 << 20
+PROGRESS = "progress"
+JOURNAL = "pack.jsonl"
+SETTINGS = "pack-settings.json"
+PACK_VERSION = 1
+FIELDS = ("target_latent", "context_latents", "prompt_embeddings", "prompt_attention_mask", "metadata")
+
+
+@dataclass(frozen=True)
+class PackReport:
+    """What a pack run wrote."""
+
+    samples: int
+    shards: int
+    packed: int  # samples written by this run
+    reused: int  # samples in shards an earlier run finished
+    bytes: int  # total shard bytes
+
+
+def shard_path(number: int, bucket: int) -> str:
+    """Relative path of tar shard `number` (its bucket in the name, for people listing the directory)."""
+    return f"shards/b{bucket:04d}-{number:06d}.tar"
+
+
+def read_journal(path: Path) -> list[dict[str, Any]]:
+    """Finished shards, in order (a torn last line from a kill is ignored)."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    lines = data[: data.rfind(b"\n") + 1].splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def append_journal(path: Path, entry: Mapping[str, Any]) -> None:
+    """Append one finished shard and fsync."""
+    with path.open("ab") as stream:
+        stream.write(json.dumps(entry, sort_keys=True).encode() + b"\n")
+        stream.flush()
+        os.fsync(stream.fileno())
+
+
+def claim(work: Path, settings: dict[str, Any]) -> None:
+    """Record the settings of a new pack, or refuse a rerun whose settings differ."""
+    path = work / PROGRESS / SETTINGS
+    if path.is_file():
+        differences = settings_differences(json.loads(path.read_text(encoding="utf-8")), settings)
+        if differences:
+            raise ValueError(
+                f"{work}: this pack was started with different settings; use a new directory or the old settings:\n  "
+                + "\n  ".join(differences)
+            )
+        return
+    write_text_atomic(path, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def tar_member(name: str, data: bytes) -> tarfile.TarInfo:
+    """A reproducible member header (no times, owners or modes taken from this machine)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = len(data), 0, 0o644, 0, 0, "", ""
+    return info
+
+
+def canonical(data: bytes) -> bytes:
+    """A safetensors file with its header's keys sorted, so packing the same sample twice gives the same bytes.
+
+    The safetensors writer orders header keys as a hash map does, differently from call to call;
+    sorting keeps the header's length (it is padded with spaces), so no tensor moves.
+    """
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    if len(text) > length:
+        return data
+    return data[:8] + text.ljust(length, b" ") + data[8 + length :]
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in 8 MiB pieces."""
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while piece := stream.read(8 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+class Packer:
+    """One pack run: the source's samples, bucket by bucket, into shards under `work`."""
+
+    def __init__(self, dataset: ImageEditDataset, work: Path, shard_bytes: int) -> None:
+        self.dataset = dataset
+        self.work = work
+        self.shard_bytes = shard_bytes
+        index = dataset.index
+        self.names = [converted_name(index.relative_path(i), "safetensors") for i in range(len(index))]
+        seen: dict[str, int] = {}
+        for i, name in enumerate(self.names):
+            if name in seen:
+                raise ValueError(
+                    f"{index.relative_path(i)}: cache_file: packs to member {name!r}, as sample {seen[name]} does; "
+                    "rename one of them"
+                )
+            seen[name] = i
+        self.order = [int(i) for members in index.bucket_members() for i in members]  # bucket by bucket
+        self.records: list[dict[str, Any] | None] = [None] * len(index)
+
+    def encoded(self, start: int) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
+        """(position, safetensors bytes, index record) of each sample from `order[start]` on."""
+        for position in self.order[start:]:
+            sample = self.dataset[position]
+            meta = sample["metadata"]
+            record = {
+                "cache_file": self.names[position],
+                "compound_bucket_signature": meta["compound_bucket_signature"],
+                "target_token_length": meta["target_token_length"],
+                "context_token_lengths": meta["context_token_lengths"],
+                "text_token_length": meta["text_token_length"],
+            }
+            data = to_safetensors({key: sample[key] for key in (*FIELDS, "conditioning_tensors")})
+            yield position, canonical(data), record
+
+    def write_shard(self, number: int, bucket: int, members: list[tuple[int, bytes, dict[str, Any]]]) -> dict[str, Any]:
+        """Write one shard atomically and return its journal entry (location of every member)."""
+        relative = shard_path(number, bucket)
+        target = self.work / relative
+        placed = []
+        with atomic_writer(target) as stream, tarfile.open(fileobj=stream, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for position, data, record in members:
+                tar.addfile(tar_member(self.names[position], data), io.BytesIO(data))
+                # addfile leaves `offset` after the member's data, padded to 512-byte blocks.
+                offset = tar.offset - -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                placed.append({"position": position, "offset": offset, "length": len(data), "record": record})
+        return {
+            "shard": number,
+            "path": relative,
+            "bytes": target.stat().st_size,
+            "sha256": file_sha256(target),
+            "members": placed,
+        }
+
+    def run(self, on_progress: Callable[[int, int], None] | None = None) -> tuple[list[dict[str, Any]], int]:
+        """Write every shard not journalled yet; return all journal entries and the samples packed now."""
+        journal = self.work / PROGRESS / JOURNAL
+        entries = read_journal(journal)
+        start = sum(len(e["members"]) for e in entries)
+        bucket_of = self.dataset.index.bucket_ids
+        pending: list[tuple[int, bytes, dict[str, Any]]] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal pending, size
+            entry = self.write_shard(len(entries), int(bucket_of[pending[0][0]]), pending)
+            append_journal(journal, entry)
+            entries.append(entry)
+            pending, size = [], 0
+
+        done = start
+        for position, data, record in self.encoded(start):
+            cost = tarfile.BLOCKSIZE + -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            if pending and (bucket_of[pending[0][0]] != bucket_of[position] or size + cost > self.shard_bytes):
+                flush()
+            pending.append((position, data, record))
+            size += cost
+            done += 1
+            if on_progress is not None:
+                on_progress(done, len(self.order))
+        if pending:
+            flush()
+        return entries, len(self.order) - start
+
+
+def index_files(dataset: ImageEditDataset, entries: list[dict[str, Any]], source: str) -> list[tuple[str, bytes]]:
+    """The packed cache's index: (relative path, bytes) of each JSON shard, then metadata.json."""
+    records: list[dict[str, Any] | None] = [None] * len(dataset)
+    shards = []
+    for entry in entries:
+        shards.append(ShardInfo(entry["path"], int(entry["bytes"]), entry["sha256"]))
+        for member in entry["members"]:
+            records[member["position"]] = {
+                **member["record"],
+                "shard": entry["shard"],
+                "offset": member["offset"],
+                "length": member["length"],
+            }
+    files = []
+    names = []
+    for number, start in enumerate(range(0, max(len(records), 1), RECORDS_PER_SHARD)):
+        names.append(shard_name(number))
+        files.append((names[-1], json.dumps(records[start : start + RECORDS_PER_SHARD]).encode()))
+    manifest = {
+        **dataset.index.manifest,
+        "shards": names,
+        "format": "safetensors",
+        LAYOUT_KEY: LAYOUT,
+        SHARDS_KEY: [s.to_json() for s in shards],
+        "packed_from": source,
+    }
+    files.append((MANIFEST, json.dumps(manifest, indent=2).encode()))
+    return files
+
+
+def pack_cache(
+    source: str | Path,
+    destination: str,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    storage_options: Mapping[str, Any] | None = None,
+    staging_dir: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> PackReport:
+    """Pack `source` (a local or remote cache of either payload format) into `destination` (a directory or URL)."""
+    if shard_bytes < 4096:
+        raise ValueError(f"shard_bytes must be at least 4096, got {shard_bytes}")
+    local = local_path_of(destination)
+    store = None if local is not None else RemoteStore(destination, dict(storage_options or {}))
+    if store is not None and store.exists(MANIFEST):
+        raise ValueError(f"{destination}: already holds a finished cache ({MANIFEST} exists); choose a new location")
+    work = Path(local) if local is not None else Path(staging_dir or local_dir_for(store, None) / "pack-staging")  # type: ignore[arg-type]
+    if (work / MANIFEST).exists():
+        raise ValueError(f"{work}: already holds a finished cache ({MANIFEST} exists); choose a new directory")
+    dataset = ImageEditDataset(source, storage_options=storage_options)
+    if local_path_of(source) is not None and local is not None and Path(local).resolve() == Path(source).resolve():
+        raise ValueError(f"{destination}: packing a cache into itself would overwrite it; choose a new directory")
+    claim(work, {"version": PACK_VERSION, "source": dataset.index.fingerprint, "shard_bytes": shard_bytes})
+    entries, packed = Packer(dataset, work, shard_bytes).run(on_progress)
+    files = index_files(dataset, entries, str(source))
+    if store is None:
+        for name, data in files:  # metadata.json comes last: a cache exists only once it is complete
+            write_text_atomic(work / name, data.decode())
+    else:
+        upload(store, work, entries, files)
+    return PackReport(
+        samples=len(dataset),
+        shards=len(entries),
+        packed=packed,
+        reused=len(dataset) - packed,
+        bytes=sum(int(e["bytes"]) for e in entries),
+    )
+
+
+def upload(store: RemoteStore, work: Path, entries: list[dict[str, Any]], files: list[tuple[str, bytes]]) -> None:
+    """Upload shards not already there at their full size, then the index, `metadata.json` last."""
+    for entry in entries:
+        relative = entry["path"]
+        if store.exists(relative) and store.size(relative) == int(entry["bytes"]):
+            continue  # uploaded by an earlier run; an object is never partly there
+        store.upload(str(work / relative), relative)
+    for name, data in files:
+        store.write_bytes(name, data)

@@ -1,0 +1,126 @@
+"""The packed layout's index fields: a shard list in the manifest, `(shard, offset, length)` per record.
+
+A packed cache stores its payloads as members of uncompressed tar shards (`cache pack` writes
+them). The manifest lists every shard with its size and SHA-256 under `packed_shards`, and every
+index record names where its member's bytes lie, so a reader seeks straight to a sample and
+never scans a tar header or lists a directory:
+
+```
+metadata.json   {"layout": "packed-tar", "packed_shards": [{"path", "bytes", "sha256"}, ...], "shards": [...]}
+index record    {"cache_file": "<member name>", "shard": 3, "offset": 1536, "length": 40960, ...}
+```
+Offsets and lengths are JSON integers, kept as int64 (shards beyond 4 GiB are fine).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..contract.paths import contained
+from ..errors import fail, show
+
+LAYOUT = "packed-tar"
+LAYOUT_KEY = "layout"
+SHARDS_KEY = "packed_shards"
+SHA256 = re.compile(r"[0-9a-f]{64}")
+MAX_OFFSET = 2**63 - 1
+MANIFEST = "metadata.json"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One tar shard of a packed cache: path relative to the cache root, size in bytes, SHA-256 (hex)."""
+
+    path: str
+    nbytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest entry."""
+        return {"path": self.path, "bytes": self.nbytes, "sha256": self.sha256}
+
+
+def is_packed(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest describes a packed cache."""
+    return manifest.get(LAYOUT_KEY) == LAYOUT
+
+
+def shard_list(root: Path, manifest: Mapping[str, Any]) -> tuple[ShardInfo, ...]:
+    """The checked `packed_shards` of a packed manifest (paths inside the cache, sizes, hashes)."""
+    entries = manifest.get(SHARDS_KEY)
+    if not isinstance(entries, list):
+        fail(MANIFEST, SHARDS_KEY, f"expected a list of shard entries in a {LAYOUT} cache, got {show(entries)}")
+    shards: list[ShardInfo] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        where = f"{SHARDS_KEY}[{i}]"
+        if not isinstance(entry, dict):
+            fail(MANIFEST, where, f"expected an object with path, bytes and sha256, got {show(entry)}")
+        path = contained(root, entry.get("path"), MANIFEST, f"{where}.path")
+        if path in seen:
+            fail(MANIFEST, f"{where}.path", f"{path!r} is listed twice")
+        seen.add(path)
+        size = entry.get("bytes")
+        if type(size) is not int or not 0 < size <= MAX_OFFSET:
+            fail(MANIFEST, f"{where}.bytes", f"expected a positive integer, got {show(size)}")
+        digest = entry.get("sha256")
+        if not isinstance(digest, str) or not SHA256.fullmatch(digest):
+            fail(MANIFEST, f"{where}.sha256", f"expected 64 lowercase hex digits, got {show(digest)}")
+        shards.append(ShardInfo(path, size, digest))
+    return tuple(shards)
+
+
+class PackedFields:
+    """Per-record `(shard, offset, length)` of a packed cache, checked as the index records are read."""
+
+    def __init__(self, shards: tuple[ShardInfo, ...]) -> None:
+        self.shards = shards
+        self.shard_ids: list[int] = []
+        self.offsets: list[int] = []
+        self.lengths: list[int] = []
+
+    def add(self, record: Mapping[str, Any], file: str, where: str) -> None:
+        """Check and keep one record's location (every member must lie inside its shard)."""
+        shard, offset, length = record.get("shard"), record.get("offset"), record.get("length")
+        if type(shard) is not int or not 0 <= shard < len(self.shards):
+            fail(file, f"{where}.shard", f"expected a shard number in [0, {len(self.shards)}), got {show(shard)}")
+        if type(offset) is not int or offset < 0:
+            fail(file, f"{where}.offset", f"expected a non-negative integer, got {show(offset)}")
+        if type(length) is not int or length <= 0:
+            fail(file, f"{where}.length", f"expected a positive integer, got {show(length)}")
+        size = self.shards[shard].nbytes
+        if offset + length > size:
+            fail(
+                file,
+                f"{where}.length",
+                f"member bytes [{offset}, {offset + length}) end beyond shard {self.shards[shard].path} "
+                f"of {size} bytes",
+            )
+        self.shard_ids.append(shard)
+        self.offsets.append(offset)
+        self.lengths.append(length)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The locations as the index's arrays."""
+        return {
+            "member_shard": np.asarray(self.shard_ids, dtype=np.int32),
+            "member_offset": np.asarray(self.offsets, dtype=np.int64),
+            "member_length": np.asarray(self.lengths, dtype=np.int64),
+        }
+
+
+def shards_fingerprint(shards: tuple[ShardInfo, ...]) -> bytes:
+    """The shard list as bytes for the index fingerprint: a repacked cache never resumes as the old one."""
+    return json.dumps([s.to_json() for s in shards]).encode()
+
+
+def shards_from_json(entries: list[dict[str, Any]]) -> tuple[ShardInfo, ...]:
+    """Shard entries stored by the index store (already checked when first parsed)."""
+    return tuple(ShardInfo(str(e["path"]), int(e["bytes"]), str(e["sha256"])) for e in entries)

@@ -1,0 +1,110 @@
+"""Plan-driven shard prefetch: the epoch plan says which shards the next batches need, so fetch those.
+
+The sampler calls the prefetcher each time it hands out a batch (in the training process, where
+the plan lives). The prefetcher pins the shards of every rank's batches from `behind` steps before
+that one (handed out, maybe not yet loaded by a worker) to `ahead` steps after it, plus as many
+further shards in plan order as the budget holds, then downloads the missing ones in plan order on
+background threads. Pinned shards are never evicted, by this
+process or another on the node; a shard that does not fit yet is read by ranged requests instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+
+from .shard_cache import ShardCache
+
+log = logging.getLogger(__name__)
+
+
+class PlannedSampler(Protocol):
+    """What the prefetcher needs of the sampler."""
+
+    segment_start: int
+
+    def __len__(self) -> int: ...
+
+    def plan(self) -> object: ...
+
+
+class ShardPrefetcher:
+    """Keeps the shards of the coming batches in the local shard cache."""
+
+    def __init__(self, cache: ShardCache, member_shard: np.ndarray, ahead: int = 8, behind: int = 8, threads: int = 2):
+        self.cache = cache
+        self.member_shard = member_shard
+        self.ahead = ahead
+        self.behind = behind
+        self.threads = threads
+        self.slots = cache.budget // max((s.nbytes for s in cache.shards), default=1)  # shards the budget holds
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future[bool]] = {}
+        self.errors: list[BaseException] = []
+
+    def shards_of(self, plan: Any, first: int, last: int) -> list[int]:
+        """Distinct shards of every rank's batches in steps [first, last), in order of first use."""
+        order = self.member_shard[plan.step_samples(slice(first, last))]  # [samples] shard numbers, plan order
+        _, first_seen = np.unique(order, return_index=True)
+        return [int(n) for n in order[np.sort(first_seen)]]
+
+    def upcoming(self, plan: Any, start: int, count: int) -> list[int]:
+        """The next `count` distinct shards the plan reads from step `start` on (fewer near the epoch's end)."""
+        found: list[int] = []
+        chunk = max(self.ahead, 16)
+        while len(found) < count and start < len(plan):
+            for number in self.shards_of(plan, start, min(len(plan), start + chunk)):
+                if number not in found:
+                    found.append(number)
+            start += chunk
+        return found[:count]
+
+    def __call__(self, sampler: PlannedSampler, step: int) -> None:
+        """Batch `step` of the current epoch is being handed out: pin the window around it, fetch ahead."""
+        plan: Any = sampler.plan()
+        local = step - sampler.segment_start
+        if step >= len(sampler):
+            # The epoch is handed out: finish downloads before the next epoch's workers fork.
+            self.wait()
+            return
+        first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)
+        needed = self.shards_of(plan, first, last)
+        # Beyond the window, look as many shards ahead as the budget holds besides it, and pin those
+        # too: a shard fetched ahead is not evicted before the plan reaches it.
+        room = max(0, self.slots - len(needed))
+        needed += [n for n in self.upcoming(plan, last, room + len(needed)) if n not in needed][:room]
+        self.cache.pin(set(needed))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-prefetch")
+        for number, future in list(self._pending.items()):
+            if future.done():
+                del self._pending[number]
+                error = future.exception()
+                if error is not None:
+                    self.errors.append(error)
+                    log.warning("prefetching a shard failed (readers use ranged requests instead): %s", error)
+        for number in needed:
+            if number not in self._pending and not self.cache.local_path(number).exists():
+                self._pending[number] = self._pool.submit(self.cache.fetch, number)
+
+    def wait(self) -> None:
+        """Let downloads in flight finish (before workers fork, and at the end of an epoch)."""
+        for future in list(self._pending.values()):
+            future.exception()
+        self._pending.clear()
+
+    def close(self) -> None:
+        """Finish downloads, stop the threads and release the pins."""
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self.cache.close()
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state["_pool"], state["_pending"] = None, {}  # threads and futures stay in their process
+        return state

@@ -1,0 +1,237 @@
+"""A node-local cache of whole remote shards with a byte budget, shared safely by every process on the node.
+
+Layout of the cache directory (one per remote cache URL):
+```
+<sha256>.tar           a complete, verified shard (named by its hash: a replaced shard is never mistaken)
+.<sha256>.<pid>.tmp    a download in progress, allocated to its full size up front so the budget counts it
+<sha256>.pin           lock file: a shared flock on it pins the shard against eviction
+.lock                  lock file serialising budget decisions between processes
+```
+A shard appears only by `os.replace` after its size and SHA-256 were checked, so a reader never
+sees half of one; a failed or killed download leaves at most its temporary file, which the next
+process to open the cache removes once its owner is gone. Eviction removes the least recently
+used complete shards that nobody pins; a process that already opened a shard keeps reading it
+after eviction (POSIX keeps unlinked open files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .packed import ShardInfo
+from .remote import RemoteStore
+
+log = logging.getLogger(__name__)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShardCache:
+    """Whole-shard downloads of one remote packed cache into `directory`, within `budget` bytes."""
+
+    def __init__(self, store: RemoteStore, shards: tuple[ShardInfo, ...], directory: Path, budget: int) -> None:
+        largest = max(shards, key=lambda s: s.nbytes) if shards else None
+        if largest is not None and largest.nbytes > budget:
+            raise ValueError(
+                f"shard_cache_bytes={budget} is smaller than shard {store.url_of(largest.path)} "
+                f"({largest.nbytes} bytes); raise it to at least one shard (a few shards for prefetching)"
+            )
+        self.store = store
+        self.shards = shards
+        self.directory = Path(directory)
+        self.budget = budget
+        self.high_water = 0  # most bytes this process saw in the cache directory
+        self.downloaded = 0  # bytes this process downloaded
+        self._pins: dict[int, int] = {}  # shard number -> descriptor holding its shared pin lock
+        self._lock = threading.Lock()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.remove_orphans()
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state["_pins"], state["_lock"] = {}, None  # pins belong to the process that took them
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def local_path(self, number: int) -> Path:
+        """Where shard `number` lives once cached."""
+        return self.directory / f"{self.shards[number].sha256}.tar"
+
+    def open_cached(self, number: int) -> tuple[int, os.stat_result] | None:
+        """An open descriptor of cached shard `number` (and its stat), or None when it is not cached."""
+        path = self.local_path(number)
+        try:
+            descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(descriptor)  # recency for eviction
+        return descriptor, os.fstat(descriptor)
+
+    def downloading(self, number: int) -> bool:
+        """Whether a live process on the node is downloading shard `number` right now."""
+        prefix = f".{self.shards[number].sha256}."
+        for name in os.listdir(self.directory):
+            if name.startswith(prefix) and name.endswith(".tmp"):
+                pid = name[len(prefix) :].split(".")[0]
+                if pid.isdigit() and pid_alive(int(pid)):
+                    return True
+        return False
+
+    def open_when_cached(self, number: int, timeout: float) -> tuple[int, os.stat_result] | None:
+        """`open_cached`, first waiting up to `timeout` seconds while a download of the shard is in progress.
+
+        Waiting for a download already under way costs less than fetching the same bytes a second time.
+        """
+        deadline = time.monotonic() + timeout
+        opened = self.open_cached(number)
+        while opened is None and time.monotonic() < deadline and self.downloading(number):
+            time.sleep(0.005)
+            opened = self.open_cached(number)
+        return opened
+
+    @contextlib.contextmanager
+    def directory_lock(self) -> Iterator[None]:
+        """Exclusive lock on the whole cache directory, across processes."""
+        descriptor = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(descriptor)
+
+    def pin(self, numbers: set[int]) -> None:
+        """Pin exactly `numbers` for this process (shared flocks), releasing earlier pins not among them."""
+        with self._lock:
+            for number in set(self._pins) - numbers:
+                os.close(self._pins.pop(number))
+            for number in numbers - set(self._pins):
+                path = self.directory / f"{self.shards[number].sha256}.pin"
+                descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fcntl.flock(descriptor, fcntl.LOCK_SH)
+                self._pins[number] = descriptor
+
+    def used_bytes(self) -> tuple[int, list[tuple[float, Path, int]]]:
+        """Bytes of complete shards and downloads in progress, and the complete shards as (mtime, path, size)."""
+        used, complete = 0, []
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(".tar") or entry.name.endswith(".tmp"):
+                try:
+                    info = entry.stat()
+                except FileNotFoundError:
+                    continue
+                used += info.st_size
+                if entry.name.endswith(".tar"):
+                    complete.append((info.st_mtime, Path(entry.path), info.st_size))
+        return used, complete
+
+    def is_pinned_elsewhere(self, path: Path) -> bool:
+        """Whether any process holds a pin on the shard at `path` (checked with a non-blocking exclusive lock)."""
+        pin = path.with_suffix(".pin")
+        try:
+            descriptor = os.open(pin, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(descriptor)
+        return False
+
+    def reserve(self, number: int) -> Path | None:
+        """Make room for shard `number` and allocate its temporary file; None when pinned shards fill the budget."""
+        need = self.shards[number].nbytes
+        with self.directory_lock():
+            if self.local_path(number).exists() or self.downloading(number):
+                return None  # done, or another rank or worker on the node is fetching it
+            used, complete = self.used_bytes()
+            mine = {str(self.local_path(n)) for n in self._pins}
+            for _, path, size in sorted(complete):
+                if used + need <= self.budget:
+                    break
+                if str(path) in mine or self.is_pinned_elsewhere(path):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    used -= size
+            if used + need > self.budget:
+                return None
+            temporary = self.directory / f".{self.shards[number].sha256}.{os.getpid()}.{threading.get_ident()}.tmp"
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.posix_fallocate(descriptor, 0, need)
+            finally:
+                os.close(descriptor)
+            self.high_water = max(self.high_water, used + need)
+        return temporary
+
+    def fetch(self, number: int) -> bool:
+        """Download shard `number` unless cached; False when the budget has no room for it now."""
+        if self.local_path(number).exists():
+            return True
+        temporary = self.reserve(number)
+        if temporary is None:
+            return self.local_path(number).exists()
+        shard = self.shards[number]
+        try:
+            digest = hashlib.sha256()
+            with open(temporary, "r+b") as stream:
+
+                def write(piece: bytes) -> None:
+                    digest.update(piece)
+                    stream.write(piece)
+
+                size = self.store.download(shard.path, write)
+                if size != shard.nbytes:
+                    raise ValueError(
+                        f"{self.store.url_of(shard.path)}: bytes: shard is {size} bytes, the manifest says "
+                        f"{shard.nbytes} (truncated or replaced)"
+                    )
+                if digest.hexdigest() != shard.sha256:
+                    raise ValueError(
+                        f"{self.store.url_of(shard.path)}: sha256: shard hashes to {digest.hexdigest()}, "
+                        f"the manifest says {shard.sha256} (damaged or replaced)"
+                    )
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temporary, self.local_path(number))
+            self.downloaded += size
+            return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temporary.unlink()
+
+    def remove_orphans(self) -> None:
+        """Delete temporary files of downloads whose process is gone (killed mid-download)."""
+        for entry in os.scandir(self.directory):
+            parts = entry.name.split(".")
+            ours = entry.name.startswith(".") and entry.name.endswith(".tmp") and len(parts) >= 4
+            if ours and parts[2].isdigit() and not pid_alive(int(parts[2])):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+    def close(self) -> None:
+        """Release this process's pins."""
+        self.pin(set())
