@@ -14,17 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-pytest.importorskip("s3fs", reason="the [remote] extra is not installed (scripts/setup.sh installs it)")
-pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
-
 import fsspec
+import pytest
+import yaml
 from cachefactory import tiny_cache
 from fit_harness import FitOptions, SimulatedKill, fit
 from fsspec.implementations.local import LocalFileSystem
 from s3server import make_bucket, moto_server
 
+from image_edit_data.__main__ import main
 from image_edit_data.cache.cli import cache_main
 from image_edit_data.cache.pack import pack_cache
 from image_edit_data.dataset import ImageEditDataset
@@ -312,3 +310,49 @@ def test_a_shard_another_process_is_downloading_is_not_fetched_twice(
     opened = cache.open_when_cached(3, timeout=0.05)
     assert opened is not None
     os.close(opened[0])
+
+
+def cli_config(path: Path, out: Path, url: str, s3: dict[str, Any], kill_at_step: int | None) -> Path:
+    """A LightningCLI fit config: the recording model, 2 workers, the S3 packed cache through the shard cache."""
+    checkpoint = {"kill_at_step": kill_at_step, "in_process": True, "dirpath": str(out / "ckpt"), "filename": "{step}"}
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 2,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": str(out),
+            "callbacks": [
+                {
+                    "class_path": "fit_harness.KillAfterCheckpoint",
+                    "init_args": {**checkpoint, "every_n_train_steps": 1, "save_top_k": -1},
+                }
+            ],
+        },
+        "model": {"class_path": "fit_harness.RecordingModel", "init_args": {"out": str(out)}},
+        "data": {
+            "cache_dir": url,
+            "batch_size": 2,
+            "num_workers": 2,
+            "storage_options": s3,
+            "remote_read": "shard_cache",
+            "local_cache_dir": str(path.parent / "local"),
+        },
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_lightning_cli_fit_with_workers_on_s3_killed_after_a_checkpoint_resumes_exactly(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path
+) -> None:
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    main(["fit", "--config", str(cli_config(tmp_path / "whole.yaml", whole, packed_url, s3, None))])
+    killed = cli_config(tmp_path / "killed.yaml", run, packed_url, s3, 5)
+    with pytest.raises(SimulatedKill):
+        main(["fit", "--config", str(killed)])
+    resumed = cli_config(tmp_path / "resumed.yaml", run, packed_url, s3, None)
+    main(["fit", "--config", str(resumed), "--ckpt_path", str(run / "ckpt" / "step=5.ckpt")])
+    assert len(records(run)) > 5 and records(run) == records(whole)
