@@ -107,8 +107,12 @@ class ImageEditDataloaderConfig:
     """Shuffle samples within buckets and the order of batches, from (seed, epoch)."""
     dynamic_batch_size: bool = False
     """Size each bucket's batches to one latent-token budget (target + all contexts)."""
-    num_workers: int = 4
-    """Loader worker processes (0 loads in the training process)."""
+    num_workers: int = 2
+    """Loader worker processes per rank (0 loads in the training process); may change across a resume.
+
+    2 by default: a worker reads each batch into its memory with one copy, so two keep a training step fed in
+    the measured cases (docs/performance.md), and per rank on a multi-GPU node more would oversubscribe the CPU.
+    """
     pin_memory: bool = True
     """Pin batches in page-locked memory (only when CUDA is available)."""
     prefetch_factor: int = 2
@@ -127,6 +131,9 @@ class ImageEditDataloaderConfig:
     """With "skip": fail anyway once more than this fraction of the cache was skipped (per loader process)."""
     quarantine_file: str | None = None
     """With "skip": JSONL file listing skipped samples (default: `.image_edit_data/quarantine.jsonl` in the cache)."""
+
+    def __post_init__(self) -> None:
+        self.base_resolution = tuple(self.base_resolution)  # type: ignore[assignment]  # YAML and callers pass lists
 
     def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset:
         """Open `cache_dir` (default: the configured one) with this config's corrupt-sample policy."""
