@@ -107,11 +107,10 @@ class ImageEditDataloaderConfig:
     """Shuffle samples within buckets and the order of batches, from (seed, epoch)."""
     dynamic_batch_size: bool = False
     """Size each bucket's batches to one latent-token budget (target + all contexts)."""
-    num_workers: int = 2
+    num_workers: int = 4
     """Loader worker processes per rank (0 loads in the training process); may change across a resume.
 
-    2 by default: a worker reads each batch into its memory with one copy, so two keep a training step fed in
-    the measured cases (docs/performance.md), and per rank on a multi-GPU node more would oversubscribe the CPU.
+    4, the NeMo reference's default, so this config stays a drop-in for it; the DataModule shares it.
     """
     pin_memory: bool = True
     """Pin batches in page-locked memory (only when CUDA is available)."""
