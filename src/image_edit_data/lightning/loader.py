@@ -13,6 +13,7 @@ from typing import Any
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ..contract.batch import Batch
 from ..sampling.sampler import BucketBatchSampler
 
 
@@ -39,7 +40,7 @@ class LightningLoader:
         # differs from later epochs'; report the larger, since a shorter epoch simply ends early.
         return max(len(self.loader), self.batch_sampler.steady_length())
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Batch]:
         # A generator function, so Lightning's probing `iter()` starts no worker pool until used.
         sampler = self.batch_sampler
         self.position = (sampler.epoch, sampler.consumed)
