@@ -9,6 +9,7 @@ so Lightning's own loader restore cannot skip the same batches a second time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -64,7 +65,6 @@ class ImageEditDataModule(pl.LightningDataModule):
         **options: Any,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
         if on_resume_mismatch not in ("raise", "restart_epoch"):
             raise ValueError(f"on_resume_mismatch must be 'raise' or 'restart_epoch', got {on_resume_mismatch!r}")
         self.batch_size = batch_size
@@ -72,6 +72,10 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.on_resume_mismatch = on_resume_mismatch
         self.demo_samples = demo_samples
         self.config = ImageEditDataloaderConfig(cache_dir=cache_dir, **options)
+        # Every data option, defaults included, so each checkpoint records the whole data config.
+        module_options = {"batch_size": batch_size, "val_cache_dir": val_cache_dir}
+        module_options |= {"on_resume_mismatch": on_resume_mismatch, "demo_samples": demo_samples}
+        self.save_hyperparameters({**dataclasses.asdict(self.config), **module_options})
         self.train_dataset: ImageEditDataset | None = None
         self.val_dataset: ImageEditDataset | None = None
         self.train_loader: LightningLoader | None = None
