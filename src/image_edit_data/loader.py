@@ -158,7 +158,6 @@ class ImageEditDataloaderConfig:
         dp_world_size: int,
         batch_size: int,
         epoch: int = 0,
-        max_batches: int | None = None,
         evaluation: bool = False,
     ) -> DiffusionDataloaderBuild:
         """`build()` over an already opened dataset, with the extra knobs the DataModule needs."""
@@ -187,7 +186,6 @@ class ImageEditDataloaderConfig:
             bucket_order=self.bucket_order,
             epoch=epoch,
             data_fingerprint=dataset.index.fingerprint,
-            max_batches=max_batches,
             elastic=self.elastic,
         )
         workers: dict[str, Any] = {}
