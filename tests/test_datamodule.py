@@ -206,9 +206,7 @@ def test_every_config_field_is_settable_on_the_datamodule(tmp_path: Path) -> Non
     assert module.config.base_resolution == (512, 256)
     assert module.config.num_workers == ImageEditDataloaderConfig(cache_dir="x").num_workers
     saved = dict(module.hparams)  # what each checkpoint records: every option, defaults included
-    assert saved == {**dataclasses.asdict(module.config), "batch_size": 4, "val_cache_dir": None} | {
-        "on_resume_mismatch": "raise",
-        "demo_samples": 0,
-    }
+    module_options = {"batch_size": 4, "val_cache_dir": None, "on_resume_mismatch": "raise", "demo_samples": 0}
+    assert saved == {**dataclasses.asdict(module.config), **module_options}
     with pytest.raises(TypeError, match="unknown_option"):
         ImageEditDataModule(cache_dir=str(tmp_path), unknown_option=1)
