@@ -7,6 +7,7 @@ import torch
 from cachefactory import make_payload
 
 from image_edit_data import collate_image_edit
+from image_edit_data.contract.batch import Batch, BatchMetadata, Sample
 from image_edit_data.contract.signature import Signature
 from image_edit_data.contract.validate import payload as validate_payload
 
@@ -99,3 +100,22 @@ def test_a_mixed_batch_error_shows_both_samples_values_in_full() -> None:
     with pytest.raises(ValueError) as refused:
         collate_image_edit([sample(0), int_mask])
     assert str(refused.value).endswith("prompt_attention_mask dtype of sample 1 is int32, sample 0 has int64")
+
+
+def test_samples_and_batches_hold_exactly_the_keys_the_contract_types_name() -> None:
+    samples = [sample(0), sample(1)]
+    assert all(set(s) == set(Sample.__annotations__) for s in samples)
+    batch = collate_image_edit(samples, position=(0, 0), skipped=[])
+    assert set(batch) == set(Batch.__annotations__) == Batch.__required_keys__
+    assert set(batch["metadata"]) == set(BatchMetadata.__annotations__)
+    assert set(collate_image_edit(samples)["metadata"]) == BatchMetadata.__required_keys__ | {"sample_indices"}
+
+
+def test_position_and_skips_reach_the_metadata_as_arguments_not_through_the_first_sample() -> None:
+    skipped = [{"index": 5, "file": "s5.pt", "field": "payload", "reason": "truncated"}]
+    batch = collate_image_edit([sample(0), sample(1)], position=(3, 7), skipped=skipped)  # type: ignore[list-item]
+    assert batch["metadata"]["position"] == [3, 7]
+    assert (batch["metadata"]["skipped"], batch["metadata"]["skipped_samples"]) == (1, skipped)
+    assert collate_image_edit([sample(0)], skipped=[])["metadata"]["skipped"] == 0
+    carrying = sample(0) | {"position": [9, 9], "skipped": skipped}
+    assert not {"position", "skipped", "skipped_samples"} & set(collate_image_edit([carrying])["metadata"])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +13,9 @@ import pytest
 import torch
 from cachefactory import tiny_cache
 from fit_harness import RecordingModel
+from jsonargparse import ArgumentParser, set_parsing_settings
 
-from image_edit_data import ImageEditDataModule, ResumeMismatchError
+from image_edit_data import ImageEditDataloaderConfig, ImageEditDataModule, ResumeMismatchError
 from image_edit_data.lightning.loader import LightningLoader
 from image_edit_data.sampling.sampler import BucketBatchSampler
 
@@ -180,3 +183,30 @@ def test_an_epoch_end_checkpoint_resumes_with_the_next_epochs_order(
     resumed = ImageEditDataModule(cache_dir=str(cache), batch_size=2, num_workers=num_workers)
     trainer(part, max_epochs=3).fit(RecordingModel(str(part)), datamodule=resumed, ckpt_path=part / "end0.ckpt")
     assert trained(part) == trained(full)
+
+
+def test_the_datamodule_data_options_are_the_loader_config_fields_with_their_types_and_defaults() -> None:
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # as `image-edit-data fit` does
+    parser = ArgumentParser()
+    parser.add_class_arguments(ImageEditDataModule, "data")  # what LightningCLI reads
+    options = {action.dest.removeprefix("data."): action for action in parser._actions}
+    types = typing.get_type_hints(ImageEditDataloaderConfig)
+    for field in dataclasses.fields(ImageEditDataloaderConfig):
+        assert field.name in options, f"{field.name} cannot be set on the DataModule"
+        action = options[field.name]
+        assert action.default == (None if field.default is dataclasses.MISSING else field.default), field.name
+        assert action._typehint == types[field.name], field.name
+        assert action.help, f"{field.name} has no one-line doc in --help"
+
+
+def test_every_config_field_is_settable_on_the_datamodule(tmp_path: Path) -> None:
+    quarantine = str(tmp_path / "skipped.jsonl")
+    module = ImageEditDataModule(cache_dir=str(tmp_path), quarantine_file=quarantine, base_resolution=[512, 256])
+    assert module.config.quarantine_file == quarantine
+    assert module.config.base_resolution == (512, 256)
+    assert module.config.num_workers == ImageEditDataloaderConfig(cache_dir="x").num_workers
+    saved = dict(module.hparams)  # what each checkpoint records: every option, defaults included
+    module_options = {"batch_size": 4, "val_cache_dir": None, "on_resume_mismatch": "raise", "demo_samples": 0}
+    assert saved == {**dataclasses.asdict(module.config), **module_options}
+    with pytest.raises(TypeError, match="unknown_option"):
+        ImageEditDataModule(cache_dir=str(tmp_path), unknown_option=1)

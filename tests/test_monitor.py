@@ -10,10 +10,12 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from cachefactory import tiny_cache
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 
 import image_edit_data.lightning.monitor as monitor_module
+from image_edit_data import ImageEditDataModule, ImageEditDataset
 from image_edit_data.lightning.monitor import ImageEditDataMonitor
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
@@ -296,3 +298,42 @@ def test_bucket_ids_survive_a_state_dict_round_trip() -> None:
 def test_log_every_n_steps_must_be_positive() -> None:
     with pytest.raises(ValueError, match="log_every_n_steps: expected an integer >= 1, got 0"):
         ImageEditDataMonitor(log_every_n_steps=0)
+
+
+class BucketRecordingModel(TinyModel):
+    """Remembers the first sample index of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_samples: list[int] = []
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        self.first_samples.append(batch["metadata"]["sample_indices"][0])
+        return super().training_step(batch, batch_idx)
+
+
+def test_bucket_id_is_the_index_bucket_id_of_the_batch_signature(tmp_path: Any) -> None:
+    cache = tiny_cache(tmp_path / "cache", counts=(4, 6, 2))
+    data = ImageEditDataModule(cache_dir=str(cache), batch_size=2, num_workers=0)
+    logger, monitor, model = RecordingLogger(), ImageEditDataMonitor(), BucketRecordingModel()
+    monitor.bucket_id("target=1x1x1/contexts=[]")  # ids seen before (or restored) give way to the index's
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=logger,
+        callbacks=[monitor],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, datamodule=data)
+    index = ImageEditDataset(cache).index
+    assert monitor.bucket_signatures == [signature.describe() for signature in index.signatures]
+    logged = [int(m["data/bucket_id"]) for m in logger.data_records(STEP_METRICS)]
+    assert logged == [int(index.bucket_ids[i]) for i in model.first_samples]
+    assert set(logged) == {0, 1, 2}
+    for signature in index.signatures:
+        assert monitor.bucket_id(signature.describe()) == index.signatures.index(signature)

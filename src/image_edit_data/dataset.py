@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from .batch.collate import AssembledSamples, collate_image_edit
+from .batch.collate import AssembledBatch, collate_image_edit
 from .contract import validate
+from .contract.batch import Sample, SkippedSample
 from .contract.paths import ContainedOpener
 from .contract.signature import Signature
 from .index.index import CacheIndex
@@ -24,8 +25,8 @@ class ImageEditDataset(Dataset):
     """Samples of a cached image-edit data set, in index order.
 
     `dataset[i]` loads payload `i` (weights-only), checks it against the contract and its index
-    record, and returns the sample dict: `target_latent`, `context_latents`, `prompt_embeddings`,
-    `prompt_attention_mask`, `conditioning_tensors`, `metadata`, plus `sample_index` (= `i`).
+    record, and returns the sample dict (`contract.batch.Sample`: `target_latent`, `context_latents`,
+    `prompt_embeddings`, `prompt_attention_mask`, `conditioning_tensors`, `metadata`, `sample_index` = `i`).
     """
 
     def __init__(
@@ -64,23 +65,24 @@ class ImageEditDataset(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, idx: int) -> dict[str, Any]:
+    def __getitem__(self, idx: int) -> Sample:
         sample, payload = self.open_sample(self.checked_index(idx))
         with payload:  # each tensor in memory of its own, as torch.load would give it
             return materialized(sample)  # type: ignore[no-any-return]
 
-    def __getitems__(self, indices: list[int]) -> AssembledSamples:
+    def __getitems__(self, indices: list[int]) -> AssembledBatch:
         """Load one batch, read straight into the batch's memory; `collate_image_edit` returns it as is.
 
         Under the "skip" policy broken samples are dropped (see `payload/corrupt.py`). The batch metadata
         reports what was dropped and, for batches from our sampler, `position` (epoch and step in
         the epoch plan).
         """
-        opened = self.open_batch([self.checked_index(i) for i in indices])
+        opened, skipped = self.open_batch([self.checked_index(i) for i in indices])
         try:
-            if hasattr(indices, "step"):
-                opened[0][0]["position"] = [indices.epoch, indices.step]  # type: ignore[attr-defined]
-            return AssembledSamples(collate_samples(opened), [sample for sample, _ in opened])
+            samples = [sample for sample, _ in opened]
+            step = getattr(indices, "step", None)  # a `PlannedBatch` from our sampler knows its place in the plan
+            position = None if step is None else (int(indices.epoch), int(step))  # type: ignore[attr-defined]
+            return AssembledBatch(collate_image_edit(samples, position=position, skipped=skipped), samples)
         finally:
             close_all(opened)
 
@@ -90,7 +92,7 @@ class ImageEditDataset(Dataset):
             raise IndexError(f"sample index {idx} is out of range for a cache of {len(self)} samples")
         return int(idx) % len(self)
 
-    def open_sample(self, idx: int) -> tuple[dict[str, Any], OpenPayload]:
+    def open_sample(self, idx: int) -> tuple[Sample, OpenPayload]:
         """Open payload `idx` and check it against the contract and its index record (no tensor bytes read yet)."""
         if self.reader is not None:  # a packed or remote cache (storage/reader.py)
             relative = self.reader.display(idx)
@@ -108,17 +110,17 @@ class ImageEditDataset(Dataset):
             payload.close()
             raise
         sample["sample_index"] = idx
-        return sample, payload
+        return sample, payload  # type: ignore[return-value]  # validate.payload builds the Sample keys
 
-    def open_batch(self, indices: list[int]) -> list[tuple[dict[str, Any], OpenPayload]]:
-        """Open a batch's samples under the corrupt-sample policy."""
-        opened: list[tuple[dict[str, Any], OpenPayload]] = []
+    def open_batch(self, indices: list[int]) -> tuple[list[tuple[Sample, OpenPayload]], list[SkippedSample] | None]:
+        """Open a batch's samples under the corrupt-sample policy; also the skipped ones (None under "raise")."""
+        opened: list[tuple[Sample, OpenPayload]] = []
         try:
             if self.skips.policy == "raise":
                 for index in indices:
                     opened.append(self.open_sample(index))
-                return opened
-            skipped = []
+                return opened, None
+            skipped: list[SkippedSample] = []
             for index in indices:
                 try:
                     opened.append(self.open_sample(index))
@@ -126,13 +128,12 @@ class ImageEditDataset(Dataset):
                     skipped.append(self.skips.record(index, error))
             if not opened:
                 opened.append(self.replacement_for(indices[0], skipped))
-            opened[0][0]["skipped"] = skipped
-            return opened
+            return opened, skipped
         except BaseException:
             close_all(opened)
             raise
 
-    def replacement_for(self, index: int, skipped: list[dict[str, Any]]) -> tuple[dict[str, Any], OpenPayload]:
+    def replacement_for(self, index: int, skipped: list[SkippedSample]) -> tuple[Sample, OpenPayload]:
         """The next loadable sample after `index` in its bucket, so a batch of bad samples still yields one."""
         if self._members is None:
             self._members = self.index.bucket_members()
@@ -181,12 +182,7 @@ class ImageEditDatasetConfig:
         return ImageEditDataset(cache_dir=self.cache_dir, quantization=self.quantization)
 
 
-def collate_samples(opened: list[tuple[dict[str, Any], OpenPayload]]) -> dict[str, Any]:
-    """The batch of the opened samples, their tensors read into it."""
-    return collate_image_edit([sample for sample, _ in opened])
-
-
-def close_all(opened: list[tuple[dict[str, Any], OpenPayload]]) -> None:
+def close_all(opened: list[tuple[Sample, OpenPayload]]) -> None:
     """Close every opened payload file."""
     for _, payload in opened:
         payload.close()

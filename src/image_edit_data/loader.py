@@ -114,7 +114,10 @@ class ImageEditDataloaderConfig:
     dynamic_batch_size: bool = False
     """Size each bucket's batches to one latent-token budget (target + all contexts)."""
     num_workers: int = 4
-    """Loader worker processes (0 loads in the training process)."""
+    """Loader worker processes per rank (0 loads in the training process); may change across a resume.
+
+    4, the NeMo reference's default, so this config stays a drop-in for it; the DataModule shares it.
+    """
     pin_memory: bool = True
     """Pin batches in page-locked memory (only when CUDA is available)."""
     prefetch_factor: int = 2
@@ -144,6 +147,9 @@ class ImageEditDataloaderConfig:
     shard_window: int = 0
     """Packed caches: shuffle shards, and samples only within this many shards, for local reads (0: whole bucket)."""
 
+    def __post_init__(self) -> None:
+        self.base_resolution = tuple(self.base_resolution)  # type: ignore[assignment]  # YAML and callers pass lists
+
     def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset:
         """Open `cache_dir` (default: the configured one) with this config's corrupt-sample policy."""
         directory = cache_dir or self.cache_dir
@@ -172,7 +178,6 @@ class ImageEditDataloaderConfig:
         dp_world_size: int,
         batch_size: int,
         epoch: int = 0,
-        max_batches: int | None = None,
         evaluation: bool = False,
     ) -> DiffusionDataloaderBuild:
         """`build()` over an already opened dataset, with the extra knobs the DataModule needs."""
@@ -201,7 +206,6 @@ class ImageEditDataloaderConfig:
             bucket_order=self.bucket_order,
             epoch=epoch,
             data_fingerprint=dataset.index.fingerprint,
-            max_batches=max_batches,
             elastic=self.elastic,
             shard_of=dataset.index.member_shard,
             shard_window=self.shard_window,

@@ -10,12 +10,14 @@ shared-memory hand-off per tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar, cast, overload
 
 import torch
 from torch.utils.data import get_worker_info
 
+from ..contract.batch import Batch, BatchMetadata, Sample, SkippedSample
 from ..payload.file_tensor import FileTensor
 from .buffer import BatchBuffer
 from .shared_batch import SharedBatch
@@ -32,12 +34,22 @@ class _Field(NamedTuple):
     name: str | int | None  # position in `context_latents` or name in `conditioning_tensors`
     shape: tuple[int, ...]  # batch shape: (batch, *sample shape); padded fields take the longest row
     dtype: torch.dtype
-    sources: list[Source]
+    sources: Sequence[Source]
 
 
-def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Collate samples of one compound signature into the batch contract of the cache format."""
-    if isinstance(samples, AssembledSamples):  # the dataset already built this batch
+def collate_image_edit(
+    samples: Sequence[Sample] | AssembledBatch,
+    *,
+    position: tuple[int, int] | None = None,
+    skipped: list[SkippedSample] | None = None,
+) -> Batch:
+    """Collate samples of one compound signature into the batch contract of the cache format.
+
+    `position` (epoch, step in the epoch plan) and `skipped` (the samples dropped from this batch
+    under the "skip" policy, possibly none) go into the batch metadata when given. A batch the
+    dataset already assembled is returned as it is.
+    """
+    if isinstance(samples, AssembledBatch):
         return samples.batch
     if not samples:
         raise ValueError("cannot collate an empty batch")
@@ -51,13 +63,15 @@ def collate_image_edit(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if buffer.lease is not None:
             buffer.lease.cancel()
         raise
-    batch = _batch_dict(samples, fields, tensors)
+    batch = _batch_dict(samples, fields, tensors, position, skipped)
     if not buffer.shared:
         return batch
-    return SharedBatch(batch, buffer.tensor, buffer.lease, placed_keys={field.key for field in fields})
+    # A dict at run time: the batch, handed to the training process through its one shared buffer.
+    shared = SharedBatch(cast(dict[str, Any], batch), buffer.tensor, buffer.lease, placed_keys={f.key for f in fields})
+    return cast(Batch, shared)
 
 
-def _batch_fields(samples: Sequence[dict[str, Any]]) -> list[_Field]:
+def _batch_fields(samples: Sequence[Sample]) -> list[_Field]:
     """The batch's tensors, after checking that every sample has the same compound signature."""
     first = samples[0]
     _check_same(samples, lambda s: form(s["target_latent"]), "target_latent shape/dtype", _shown_form)
@@ -102,7 +116,7 @@ def form(tensor: Source) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(tensor.shape), tensor.dtype
 
 
-def _conditioning_form(name: str) -> Callable[[dict[str, Any]], tuple[tuple[int, ...], torch.dtype]]:
+def _conditioning_form(name: str) -> Callable[[Sample], tuple[tuple[int, ...], torch.dtype]]:
     """A sample's `form` of its conditioning tensor `name`."""
     return lambda sample: form(sample["conditioning_tensors"][name])
 
@@ -118,13 +132,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def stacked(key: str, name: str | int | None, sources: list[Source]) -> _Field:
+def stacked(key: str, name: str | int | None, sources: Sequence[Source]) -> _Field:
     """A field whose samples all have one shape, stacked along a new batch dimension."""
     return _Field(key, name, (len(sources), *sources[0].shape), sources[0].dtype, sources)
 
 
 def _check_same(
-    samples: Sequence[dict[str, Any]], key: Callable[[dict[str, Any]], Key], what: str, shown: Callable[[Key], str]
+    samples: Sequence[Sample], key: Callable[[Sample], Key], what: str, shown: Callable[[Key], str]
 ) -> None:
     """Refuse a batch whose samples disagree on `key` (one compound signature per batch); `shown` formats a key."""
     values = [key(s) for s in samples]
@@ -185,8 +199,12 @@ def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[_Field]) 
 
 
 def _batch_dict(
-    samples: Sequence[dict[str, Any]], fields: Sequence[_Field], tensors: Sequence[torch.Tensor]
-) -> dict[str, Any]:
+    samples: Sequence[Sample],
+    fields: Sequence[_Field],
+    tensors: Sequence[torch.Tensor],
+    position: tuple[int, int] | None,
+    skipped: list[SkippedSample] | None,
+) -> Batch:
     """The batch contract: tensors by key, token counts and where the batch came from."""
     by_key: dict[str, Any] = {"context_latents": [], "conditioning_tensors": {}}
     for field, tensor in zip(fields, tensors):
@@ -201,58 +219,52 @@ def _batch_dict(
     context_tokens = [int(sum(m["context_token_lengths"])) for m in metadata]
     text_tokens = [int(m["text_token_length"]) for m in metadata]
     total_tokens = [t + c + x for t, c, x in zip(target_tokens, context_tokens, text_tokens)]
-    batch: dict[str, Any] = {
+    batch_metadata: BatchMetadata = {
+        "samples": metadata,
+        "batch_size": len(samples),
+        "target_token_counts": target_tokens,
+        "context_token_counts": context_tokens,
+        "text_token_counts": text_tokens,
+        "total_token_counts": total_tokens,
+        "target_token_count": sum(target_tokens),
+        "context_token_count": sum(context_tokens),
+        "text_token_count": sum(text_tokens),
+        "total_token_count": sum(total_tokens),
+    }
+    if position is not None:
+        batch_metadata["position"] = list(position)
+    if skipped is not None:
+        batch_metadata["skipped"] = len(skipped)
+        batch_metadata["skipped_samples"] = skipped
+    if all("sample_index" in s for s in samples):
+        batch_metadata["sample_indices"] = [int(s["sample_index"]) for s in samples]
+    return {
         "image_latents": by_key["image_latents"],
         "context_latents": by_key["context_latents"],
         "text_embeddings": by_key["text_embeddings"],
         "text_attention_mask": by_key["text_attention_mask"],
         "conditioning_tensors": by_key["conditioning_tensors"],
         "data_type": "image",
-        "metadata": {
-            "samples": metadata,
-            "batch_size": len(samples),
-            "target_token_counts": target_tokens,
-            "context_token_counts": context_tokens,
-            "text_token_counts": text_tokens,
-            "total_token_counts": total_tokens,
-            "target_token_count": sum(target_tokens),
-            "context_token_count": sum(context_tokens),
-            "text_token_count": sum(text_tokens),
-            "total_token_count": sum(total_tokens),
-        },
+        "metadata": batch_metadata,
     }
-    first = samples[0]
-    if "position" in first:
-        batch["metadata"]["position"] = list(first["position"])
-    skipped = [entry for s in samples for entry in s.get("skipped", ())]
-    if skipped or "skipped" in first:
-        batch["metadata"]["skipped"] = len(skipped)
-        batch["metadata"]["skipped_samples"] = skipped
-    if all("sample_index" in s for s in samples):
-        batch["metadata"]["sample_indices"] = [int(s["sample_index"]) for s in samples]
-    return batch
 
 
-class AssembledSamples(Sequence[dict[str, Any]]):
-    """A batch's samples as the dataset returns them, with the batch already assembled.
+@dataclass(frozen=True)
+class AssembledBatch:
+    """What `ImageEditDataset.__getitems__` returns: a batch already assembled, and the samples it holds.
 
-    `collate_image_edit` returns `batch` as it is; any other collate function sees ordinary sample
-    dicts, whose tensors are views of the batch's rows.
+    `collate_image_edit` returns `batch` as it is. torch hands this object to whatever collate
+    function the loader was given and documents it as the batch's list of samples, so for any
+    other collate function it also indexes and iterates as sample dicts whose tensors view the
+    batch's rows (`sample(row)`).
     """
 
-    def __init__(self, batch: dict[str, Any], samples: Sequence[dict[str, Any]]) -> None:
-        self.batch = batch
-        self._samples = samples
+    batch: Batch
+    samples: Sequence[Sample]  # as opened: their tensors are not to be read once the batch is built
 
-    def __len__(self) -> int:
-        return len(self._samples)
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        row = range(len(self))[index]
-        sample = self._samples[row]
-        batch = self.batch
+    def sample(self, row: int) -> Sample:
+        """Sample `row` of the batch, its tensors views of that row."""
+        sample, batch = self.samples[row], self.batch
         length = sample["prompt_embeddings"].shape[0]
         return {
             **sample,
@@ -262,3 +274,17 @@ class AssembledSamples(Sequence[dict[str, Any]]):
             "prompt_attention_mask": batch["text_attention_mask"][row, :length],
             "conditioning_tensors": {n: t[row] for n, t in batch["conditioning_tensors"].items()},
         }
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @overload
+    def __getitem__(self, row: int) -> Sample: ...
+    @overload
+    def __getitem__(self, row: slice) -> list[Sample]: ...
+    def __getitem__(self, row: int | slice) -> Sample | list[Sample]:
+        rows = range(len(self.samples))[row]
+        return [self.sample(r) for r in rows] if isinstance(rows, range) else self.sample(rows)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return (self.sample(row) for row in range(len(self.samples)))

@@ -69,8 +69,7 @@ def convert_cache(
         path = target / names[i]
         if path.exists():
             return False  # written atomically by an earlier run, so complete
-        fields = ("target_latent", "context_latents", "prompt_embeddings", "prompt_attention_mask", "metadata")
-        save_payload(path, {key: sample[key] for key in (*fields, "conditioning_tensors")})
+        save_payload(path, {key: value for key, value in sample.items() if key != "sample_index"})
         return True
 
     reused = 0

@@ -153,7 +153,8 @@ class Packer:
                 "context_token_lengths": meta["context_token_lengths"],
                 "text_token_length": meta["text_token_length"],
             }
-            data = to_safetensors({key: sample[key] for key in (*FIELDS, "conditioning_tensors")})
+            kept = (*FIELDS, "conditioning_tensors")
+            data = to_safetensors({key: value for key, value in sample.items() if key in kept})
             yield position, canonical(data), record
 
     def write_shard(self, number: int, bucket: int, members: list[tuple[int, bytes, dict[str, Any]]]) -> dict[str, Any]:

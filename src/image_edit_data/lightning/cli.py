@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -50,6 +51,8 @@ class ImageEditCLI(LightningCLI):
 
 def lightning_main(argv: list[str] | None) -> None:
     """Run a LightningCLI subcommand (`fit`, `validate`, `test`); `argv` after the program name, or sys.argv."""
+    # The DataModule's data options are the fields of ImageEditDataloaderConfig, documented by attribute docstrings.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     ImageEditCLI(
         model_class=pl.LightningModule,
         subclass_mode_model=True,

@@ -9,6 +9,7 @@ so Lightning's own loader restore cannot skip the same batches a second time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -18,10 +19,8 @@ import lightning.pytorch as pl
 from ..dataset import ImageEditDataset
 from ..index.index import MANIFEST
 from ..loader import ImageEditDataloaderConfig
-from ..payload.corrupt import CorruptPolicy
-from ..sampling.plan import BucketOrder
 from ..sampling.sampler import ResumeMismatchError, migrate_state
-from ..storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, local_path_of
+from ..storage.location import local_path_of
 from .loader import LightningLoader
 
 log = logging.getLogger(__name__)
@@ -42,36 +41,19 @@ ResumeMismatch = Literal["raise", "restart_epoch"]
 class ImageEditDataModule(pl.LightningDataModule):
     """Cached image-edit data for any `Trainer`, with exact mid-epoch resume.
 
+    The data options are the fields of `ImageEditDataloaderConfig`, passed by keyword (`num_workers=2`,
+    `quarantine_file=...`); LightningCLI reads their types, defaults and docs from that dataclass, so
+    a YAML config sets them flat under `data:`.
+
     Args:
         cache_dir: Training cache directory (metadata.json, shards, payloads).
         batch_size: Samples per batch and rank (the base size when `dynamic_batch_size`).
         val_cache_dir: Optional validation cache; every sample is seen once per validation run.
-        quantization: Pixel cell size used by the dynamic batch size's cost.
-        base_resolution: (width, height) at which a dynamic batch holds exactly `batch_size` samples.
-        drop_last: Drop each bucket's short last batch in training.
-        shuffle: Shuffle training samples and batch order from (seed, epoch).
-        dynamic_batch_size: Size each bucket's batches to one latent-token budget (target + contexts).
-        num_workers: Loader worker processes per rank; may change between save and resume.
-        pin_memory: Pin batches in page-locked memory (only when CUDA is available).
-        prefetch_factor: Batches each worker loads ahead.
-        seed: Seed of every shuffle; the same on all ranks.
-        bucket_order: "interleaved" mixes batches of all buckets; "sequential" runs bucket after bucket.
-        latent_scale: Pixels per latent position (the VAE's downsampling) for the dynamic cost.
-        elastic: Allow resuming mid-epoch on a different number of ranks.
         on_resume_mismatch: "raise" refuses a checkpoint whose data or config differ; "restart_epoch"
             deliberately reshuffles: it keeps the epoch number and starts that epoch afresh.
-        on_corrupt_sample: "raise" stops at a broken payload; "skip" drops it from its batch (a batch of one
-            takes its bucket's next sample instead), logs it once, lists it in
-            `<cache>/.image_edit_data/quarantine.jsonl` and counts it in the batch metadata.
-        max_corrupt_fraction: With "skip", fail anyway once more than this fraction of the cache was skipped.
         demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`) holds no cache yet, first write the
             procedural demo cache there with this many samples (a tenth for validation). For quickstarts.
-        storage_options: fsspec options when `cache_dir` is a URL (s3://, gs://, az://, hf://, file://).
-        remote_read: Remote packed caches: "range" (one ranged request per sample) or "shard_cache"
-            (whole shards downloaded ahead of the plan into `local_cache_dir`).
-        local_cache_dir: Node-local directory for remote index copies and cached shards.
-        shard_cache_bytes: Byte budget of the local shard cache (at least the largest shard).
-        shard_window: Packed caches: shuffle shards and samples only within this many shards (0: whole bucket).
+        **options: Any other field of `ImageEditDataloaderConfig`.
     """
 
     def __init__(
@@ -79,58 +61,22 @@ class ImageEditDataModule(pl.LightningDataModule):
         cache_dir: str,
         batch_size: int = 4,
         val_cache_dir: str | None = None,
-        quantization: int = 64,
-        base_resolution: tuple[int, int] = (1024, 1024),
-        drop_last: bool = True,
-        shuffle: bool = True,
-        dynamic_batch_size: bool = False,
-        num_workers: int = 2,
-        pin_memory: bool = True,
-        prefetch_factor: int = 2,
-        seed: int = 42,
-        bucket_order: BucketOrder = "interleaved",
-        latent_scale: int = 8,
-        elastic: bool = False,
         on_resume_mismatch: ResumeMismatch = "raise",
-        on_corrupt_sample: CorruptPolicy = "raise",
-        max_corrupt_fraction: float = 0.01,
         demo_samples: int = 0,
-        storage_options: dict[str, Any] | None = None,
-        remote_read: RemoteRead = "range",
-        local_cache_dir: str | None = None,
-        shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
-        shard_window: int = 0,
+        **options: Any,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
         if on_resume_mismatch not in ("raise", "restart_epoch"):
             raise ValueError(f"on_resume_mismatch must be 'raise' or 'restart_epoch', got {on_resume_mismatch!r}")
         self.batch_size = batch_size
         self.val_cache_dir = val_cache_dir
         self.on_resume_mismatch = on_resume_mismatch
         self.demo_samples = demo_samples
-        self.config = ImageEditDataloaderConfig(
-            cache_dir=cache_dir,
-            quantization=quantization,
-            base_resolution=tuple(base_resolution),  # type: ignore[arg-type]
-            drop_last=drop_last,
-            shuffle=shuffle,
-            dynamic_batch_size=dynamic_batch_size,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            prefetch_factor=prefetch_factor,
-            seed=seed,
-            bucket_order=bucket_order,
-            latent_scale=latent_scale,
-            elastic=elastic,
-            on_corrupt_sample=on_corrupt_sample,
-            max_corrupt_fraction=max_corrupt_fraction,
-            storage_options=storage_options,
-            remote_read=remote_read,
-            local_cache_dir=local_cache_dir,
-            shard_cache_bytes=shard_cache_bytes,
-            shard_window=shard_window,
-        )
+        self.config = ImageEditDataloaderConfig(cache_dir=cache_dir, **options)
+        # Every data option, defaults included, so each checkpoint records the whole data config.
+        module_options = {"batch_size": batch_size, "val_cache_dir": val_cache_dir}
+        module_options |= {"on_resume_mismatch": on_resume_mismatch, "demo_samples": demo_samples}
+        self.save_hyperparameters({**dataclasses.asdict(self.config), **module_options})
         self.train_dataset: ImageEditDataset | None = None
         self.val_dataset: ImageEditDataset | None = None
         self.train_loader: LightningLoader | None = None

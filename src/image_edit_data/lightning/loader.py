@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from typing import Any
 
+from ..contract.batch import Batch
 from ..loader import ResumableDataLoader
 from ..sampling.sampler import BucketBatchSampler
 
@@ -22,7 +23,7 @@ class LightningLoader:
         self.loader = loader
         self.batch_sampler = sampler
         self.position: tuple[int, int] | None = None  # (epoch, batches of it handed to training)
-        self._batches: Generator[Any, None, None] | None = None
+        self._batches: Generator[Batch, None, None] | None = None
 
     @property
     def sampler(self) -> BucketBatchSampler:
@@ -39,7 +40,7 @@ class LightningLoader:
         # differs from later epochs'; report the larger, since a shorter epoch simply ends early.
         return max(len(self.loader), self.batch_sampler.steady_length())
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Batch]:
         # A generator, so Lightning's probing `iter()` starts no worker pool until it is used.
         # Lightning stops a sized epoch after its last batch without exhausting the pass; closing
         # that pass here stops its workers now rather than whenever its generator is collected.
@@ -63,7 +64,7 @@ class LightningLoader:
             self._batches.close()
             self._batches = None
 
-    def _generate(self) -> Generator[Any, None, None]:
+    def _generate(self) -> Generator[Batch, None, None]:
         sampler = self.batch_sampler
         self.position = (sampler.epoch, sampler.consumed)
         for batch in self.loader:

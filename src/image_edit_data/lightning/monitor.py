@@ -9,7 +9,7 @@ train epoch end every rank keeps a per-bucket summary and rank 0 prints it.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,8 +67,9 @@ class ImageEditDataMonitor(Callback):
     Step metrics (names after `prefix`): `samples_per_sec`, `latent_tokens_per_sec` (target +
     context), `text_tokens_per_sec`, `wait_fraction`, `bucket_id`, `skipped_samples`. Epoch
     metrics: `epoch_batches`, `epoch_samples`, `epoch_skipped_samples`, `epoch_samples_per_sec`,
-    `epoch_wait_fraction`, `epoch_buckets`. Bucket ids number signatures in order of first
-    appearance; `bucket_signatures[id]` maps back and is saved in checkpoints so ids stay stable.
+    `epoch_wait_fraction`, `epoch_buckets`. Bucket ids are the index's (`ImageEditDataset.signatures`
+    order) when the training loader's dataset is an image-edit cache; for other data they number
+    signatures in order of first appearance. `bucket_signatures[id]` maps back.
     """
 
     def __init__(self, log_every_n_steps: int = 1, prefix: str = "data/") -> None:
@@ -101,6 +102,16 @@ class ImageEditDataMonitor(Callback):
             self._bucket_ids[signature] = len(self.bucket_signatures)
             self.bucket_signatures.append(signature)
         return self._bucket_ids[signature]
+
+    def use_index(self, signatures: Sequence[Signature]) -> None:
+        """Number buckets as the cache index does: bucket `id` is `signatures[id]`."""
+        self.bucket_signatures = [signature.describe() for signature in signatures]
+        self._bucket_ids = {signature: i for i, signature in enumerate(self.bucket_signatures)}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        signatures = getattr(getattr(trainer.train_dataloader, "dataset", None), "signatures", None)
+        if signatures is not None:  # the loader reads an image-edit cache: take its index's bucket ids
+            self.use_index(signatures)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_end = time.perf_counter()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ..contract.batch import SkippedSample
 from ..errors import CacheFormatError
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,9 @@ class SkipLog:
         if not 0.0 <= self.max_fraction <= 1.0:
             raise ValueError(f"max_corrupt_fraction must be in [0, 1], got {self.max_fraction!r}")
 
-    def record(self, index: int, error: CacheFormatError) -> dict[str, object]:
+    def record(self, index: int, error: CacheFormatError) -> SkippedSample:
         """Note a skipped sample; raise once the skips pass the allowed share of the cache."""
-        entry: dict[str, object] = {"index": index, "file": error.file, "field": error.field, "reason": error.problem}
+        entry: SkippedSample = {"index": index, "file": error.file, "field": error.field, "reason": error.problem}
         if index not in self.skipped:
             self.skipped.add(index)
             log.warning("skipping corrupt sample %d: %s", index, error)
@@ -55,7 +56,7 @@ class SkipLog:
             ) from error
         return entry
 
-    def quarantine(self, entry: dict[str, object]) -> None:
+    def quarantine(self, entry: SkippedSample) -> None:
         """Append one JSON line; small O_APPEND writes from several workers do not interleave."""
         if self.quarantine_file is None:
             return
