@@ -11,6 +11,7 @@ resume, and DDP with gradient accumulation. `tests/test_resume_fuzz.py` adds rep
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -138,3 +139,14 @@ def test_resuming_with_a_changed_data_config_says_what_changed(cache: Path, tmp_
         fit(options | {"kill_at_step": 3})
     with pytest.raises(ResumeMismatchError, match=r"seed: checkpoint 42, now 7.*on_resume_mismatch='restart_epoch'"):
         fit(options | {"seed": 7, "ckpt": str(tmp_path / "ckpt" / "step=3.ckpt")})
+
+
+def test_after_a_refused_resume_a_fit_with_workers_leaves_no_worker_processes(cache: Path, tmp_path: Path) -> None:
+    """The refusal comes before Lightning's loader request, which would otherwise leak a patch that keeps iterators."""
+    options = FitOptions(str(cache), str(tmp_path / "run"), in_process=True)
+    with pytest.raises(SimulatedKill):
+        fit(options | {"kill_at_step": 3})
+    with pytest.raises(ResumeMismatchError):
+        fit(options | {"seed": 7, "ckpt": str(tmp_path / "run" / "ckpt" / "step=3.ckpt")})
+    fit(FitOptions(str(cache), str(tmp_path / "later"), epochs=1, num_workers=2, in_process=True))
+    assert multiprocessing.active_children() == []

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 
 from ..dataset import ImageEditDataset
 from ..index.index import MANIFEST
-from ..loader import ImageEditDataloaderConfig
+from ..loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from ..sampling.sampler import ResumeMismatchError, migrate_state
 from ..storage.location import local_path_of
 from .loader import LightningLoader
@@ -117,13 +117,8 @@ class ImageEditDataModule(pl.LightningDataModule):
         """This rank's training loader, positioned at the restored or current epoch."""
         if self.train_dataset is None:
             self.setup("fit")
-        rank, world = self.data_parallel()
-        epoch = self.fit_epoch()
-        built = self.config.build_for(
-            dataset=self.train_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, epoch=epoch
-        )
+        built = self._build_train()
         sampler = built.sampler
-        sampler.max_batches = self.batch_limit(len(sampler))
         if self._pending_state is not None:
             self.restore_position(sampler, self._pending_state)
             self._pending_state = None
@@ -131,7 +126,19 @@ class ImageEditDataModule(pl.LightningDataModule):
         self._open_loaders.append(self.train_loader)
         return self.train_loader
 
-    def restore_position(self, sampler: Any, state: dict[str, Any]) -> None:
+    def _build_train(self) -> DiffusionDataloaderBuild:
+        rank, world = self.data_parallel()
+        built = self.config.build_for(
+            dataset=self.train_dataset,
+            dp_rank=rank,
+            dp_world_size=world,
+            batch_size=self.batch_size,
+            epoch=self.fit_epoch(),
+        )
+        built.sampler.max_batches = self.batch_limit(len(built.sampler))
+        return built
+
+    def restore_position(self, sampler: Any, state: dict[str, Any], log_restart: bool = True) -> None:
         """Apply a checkpointed position, or restart the epoch when the user chose to reshuffle."""
         try:
             sampler.load_state_dict(state)
@@ -144,7 +151,8 @@ class ImageEditDataModule(pl.LightningDataModule):
                     f"{error}. To continue anyway with a fresh shuffle of epoch {state['epoch']}, "
                     "set on_resume_mismatch='restart_epoch' on the data module."
                 ) from None
-            log.warning("%s; restarting epoch %s as on_resume_mismatch='restart_epoch' asks", error, state["epoch"])
+            if log_restart:
+                log.warning("%s; restarting epoch %s as on_resume_mismatch='restart_epoch' asks", error, state["epoch"])
             sampler.advance_epoch(int(state["epoch"]))
 
     def batch_limit(self, batches: int) -> int | None:
@@ -225,7 +233,14 @@ class ImageEditDataModule(pl.LightningDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep a checkpointed position until `train_dataloader()` builds the sampler."""
+        """Keep a checkpointed position until `train_dataloader()` builds the sampler; refuse a mismatch now.
+
+        Checking here, before Lightning asks for the loader, keeps the error out of Lightning's
+        loader request: Lightning 2.6 leaves `DataLoader.__setattr__` patched for the rest of the
+        process when that request raises, and every later loader then keeps its iterators alive.
+        """
         if not state_dict:
             return
         self._pending_state = migrate_state(state_dict)
+        if self.trainer is not None and self.train_dataset is not None:
+            self.restore_position(self._build_train().sampler, self._pending_state, log_restart=False)
