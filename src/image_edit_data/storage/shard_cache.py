@@ -216,7 +216,8 @@ class ShardCache:
                     )
                 stream.flush()
                 os.fsync(stream.fileno())
-            os.replace(temporary, self.local_path(number))
+            with self.directory_lock():  # a rename seen half-done by a budget count would miss the shard
+                os.replace(temporary, self.local_path(number))
             self.downloaded += size
             return True
         finally:
