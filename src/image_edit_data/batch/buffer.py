@@ -16,6 +16,7 @@ import errno
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -25,6 +26,7 @@ import torch.multiprocessing
 
 from ..errors import fail
 from ..payload.file_tensor import FileTensor, read_into
+from . import shared_ring
 from .shared_ring import Lease, worker_ring
 
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
@@ -46,12 +48,15 @@ class BufferPool:
     def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
         self.blocks: list[np.ndarray] = []
+        self.lent: list[bool] = []
         self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 tensor of `nbytes` uninitialised bytes."""
         if not nbytes:
             return torch.empty(0, dtype=torch.uint8)
+        if shared_ring.PUBLIC_MEMORY:
+            return self.take_flagged(nbytes)
         with self.lock:
             free = [i for i in range(len(self.blocks)) if sys.getrefcount(self.blocks[i]) <= 2]  # list + argument
             fitting = [i for i in free if nbytes <= self.blocks[i].nbytes <= 2 * nbytes]
@@ -64,6 +69,27 @@ class BufferPool:
                 elif free:  # replace the smallest free block: batch sizes have moved on
                     self.blocks[min(free, key=lambda i: self.blocks[i].nbytes)] = block
             return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
+
+    def take_flagged(self, nbytes: int) -> torch.Tensor:
+        """`take`, with each block flagged free by a finalizer on the view lent to torch."""
+        with self.lock:
+            free = [i for i in range(len(self.blocks)) if not self.lent[i]]
+            fitting = [i for i in free if nbytes <= self.blocks[i].nbytes <= 2 * nbytes]
+            if fitting:
+                slot = min(fitting, key=lambda i: self.blocks[i].nbytes)
+            elif len(self.blocks) < self.capacity:
+                slot = len(self.blocks)
+                self.blocks.append(np.empty(nbytes, dtype=np.uint8))
+                self.lent.append(False)
+            elif free:  # replace the smallest free block: batch sizes have moved on
+                slot = min(free, key=lambda i: self.blocks[i].nbytes)
+                self.blocks[slot] = np.empty(nbytes, dtype=np.uint8)
+            else:
+                return torch.empty(nbytes, dtype=torch.uint8)
+            self.lent[slot] = True
+            owner = self.blocks[slot][:nbytes]
+            weakref.finalize(owner, self.lent.__setitem__, slot, False)
+            return torch.frombuffer(owner, dtype=torch.uint8)
 
 
 POOL = BufferPool()
@@ -80,10 +106,16 @@ class BatchBuffer:
             self.tensor = POOL.take(nbytes)
         elif nbytes and (lease := worker_ring().lend(nbytes)) is not None:
             self.lease, self.tensor = lease, lease.tensor  # its pages are in place after first use: fill by mapping
+        elif shared_ring.PUBLIC_MEMORY:
+            self.tensor = shared_ring._shared_bytes(nbytes)
         else:  # every ring block is still held: a one-off block
             storage = torch.UntypedStorage._new_shared(nbytes)
             self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
-            if nbytes and torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
+            if (
+                nbytes
+                and not shared_ring.PUBLIC_MEMORY
+                and torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+            ):
                 self.descriptor = storage._share_fd_cpu_()[0]  # the file behind the mapping, still ours
         self.array = self.tensor.numpy()
         self.view = memoryview(self.array)  # type: ignore[arg-type]  # numpy arrays are buffers
@@ -113,7 +145,7 @@ class BatchBuffer:
         run in the kernel without the GIL. In a worker the other workers already keep the cores busy.
         """
         big = len(files) > 1 and sum(_file_bytes(parts) for parts in files) >= PARALLEL_READ_MIN_BYTES
-        helper = _second_reader() if big and not self.shared else None
+        helper = _second_reader() if big and not self.shared and not shared_ring.PUBLIC_MEMORY else None
         if helper is None:
             self.read_each(files)
             return

@@ -24,8 +24,14 @@ CAPACITY = 8  # blocks per worker: batches in flight (prefetch) plus those the t
 FREE, LENT = 0, 1
 
 
+# A/B switch: public batch memory (share_memory_(), finalizer-flagged pool, no sendfile, one reader thread).
+PUBLIC_MEMORY = os.environ.get("IMAGE_EDIT_DATA_PUBLIC_MEMORY", "") == "1"
+
+
 def _shared_bytes(nbytes: int) -> torch.Tensor:
     """`nbytes` uninitialised bytes of shared memory as a flat uint8 tensor."""
+    if PUBLIC_MEMORY:
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
 

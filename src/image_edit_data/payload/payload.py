@@ -36,6 +36,8 @@ METADATA_KEY = "image_edit_data.metadata"
 FORMAT_VERSION = "1"
 CONTEXT_PREFIX = "context_latents."
 CONDITIONING_PREFIX = "conditioning_tensors."
+# A/B switch: torch.load(weights_only=True, mmap=True) instead of the direct unpickler and in-file reads.
+PUBLIC_PT_READ = os.environ.get("IMAGE_EDIT_DATA_PUBLIC_PT", "") == "1"
 
 
 def format_of(path: str | Path) -> PayloadFormat:
@@ -120,6 +122,10 @@ def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: st
     entries = zip_entries(descriptor, size)
     _check_zip_expansion(path, entries, size, display)
     ranges = None if entries is None else stored_data_ranges(descriptor, entries, size)
+    if PUBLIC_PT_READ and entries is not None and ranges is not None:
+        fields = _from_torch_save(path, display, mapped=True)
+        _check_storages_fit(fields, dict(ranges.values()), display)
+        return fields, False
     if entries is not None and ranges is not None:
         structure = structure_on_meta(descriptor, entries, ranges, size)
         if structure is None and torch_notes_storage_offsets():
@@ -129,6 +135,43 @@ def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: st
             return fields, True
     # torch maps compressed entries as if they were stored (wrong values): map only stored ones.
     return _from_torch_save(path, display, mapped=ranges is not None), False
+
+
+def _check_storages_fit(fields: dict[str, Any], entry_ends: Mapping[int, int], display: str) -> None:
+    """Refuse a mapped payload whose tensor storage runs past its zip entry (into the next entry).
+
+    `torch.load(mmap=True)` maps the whole file and places each storage at its entry's start, so the
+    storages' addresses, less the one address of the file's start, must be entry starts.
+    """
+    storages = {}
+    pending: list[Any] = [fields]
+    while pending:  # without recursion: pickles nest deep
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            if item.layout != torch.strided or item.device.type != "cpu":
+                continue  # the contract checks name what it is
+            storage = item.untyped_storage()
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    if not storages:
+        return
+    lowest = min(storages)
+    for base in sorted({lowest - start for start in entry_ends}, reverse=True):
+        if all(address - base in entry_ends for address in storages):
+            for address, nbytes in storages.items():
+                start = address - base
+                if nbytes > entry_ends[start] - start:
+                    fail(
+                        display,
+                        "payload",
+                        f"a tensor storage needs {nbytes} bytes, its zip entry holds {entry_ends[start] - start}",
+                    )
+            return
+    fail(display, "payload", "a tensor storage does not start at a zip entry of the file")
 
 
 def _check_zip_expansion(path: Path | str, entries: list[ZipEntry] | None, size: int, display: str) -> None:
