@@ -26,8 +26,7 @@ from ..contract.paths import open_regular
 from ..errors import fail, show
 from .file_tensor import FileTensor
 from .safetensors_header import read_header
-from .torch_save.pt_in_file import in_file_fields, torch_notes_storage_offsets
-from .torch_save.pt_structure import structure_on_meta
+from .torch_save._private_torch import direct_reads, in_file_payload
 from .torch_save.torch_zip import ZipEntry, stored_data_ranges, zip_entries
 
 PayloadFormat = Literal["pt", "safetensors"]
@@ -36,8 +35,6 @@ METADATA_KEY = "image_edit_data.metadata"
 FORMAT_VERSION = "1"
 CONTEXT_PREFIX = "context_latents."
 CONDITIONING_PREFIX = "conditioning_tensors."
-# A/B switch: torch.load(weights_only=True, mmap=True) instead of the direct unpickler and in-file reads.
-PUBLIC_PT_READ = os.environ.get("IMAGE_EDIT_DATA_PUBLIC_PT", "") == "1"
 
 
 def format_of(path: str | Path) -> PayloadFormat:
@@ -108,12 +105,11 @@ def open_payload(path: Path | str, display: str, opened: tuple[int, os.stat_resu
 def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
     """A `torch.save` payload's fields, and whether its tensors are `FileTensor`s of `descriptor`.
 
-    When the layout allows, torch's weights-only unpickler builds only the structure (onto the
-    meta device, each storage noting where it lies in the file; run directly by `pt_structure`,
-    else through `torch.load`) and the batch later reads the bytes straight into its own memory,
-    as for safetensors. Otherwise the tensors are mapped from the file (views that are not plain
-    byte ranges) or loaded into memory (compressed entries, the other byte order, another zip
-    layout).
+    Where torch's private path works (`torch_save/_private_torch.py`), the weights-only unpickler
+    builds only the structure and the batch later reads the bytes straight into its own memory, as
+    for safetensors. Otherwise `torch.load(weights_only=True)` maps the tensors from the file (when
+    its data entries are stored) or loads them into memory (compressed entries, the other byte
+    order, another zip layout), and the batch copies them.
     """
     if size == 0:
         fail(display, "file", "is empty (0 bytes)")
@@ -122,19 +118,15 @@ def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: st
     entries = zip_entries(descriptor, size)
     _check_zip_expansion(path, entries, size, display)
     ranges = None if entries is None else stored_data_ranges(descriptor, entries, size)
-    if PUBLIC_PT_READ and entries is not None and ranges is not None:
-        fields = _from_torch_save(path, display, mapped=True)
-        _check_storages_fit(fields, dict(ranges.values()), display)
-        return fields, False
-    if entries is not None and ranges is not None:
-        structure = structure_on_meta(descriptor, entries, ranges, size)
-        if structure is None and torch_notes_storage_offsets():
-            structure = _from_torch_save(path, display, mapped=False, map_location="meta")
-        fields = None if structure is None else in_file_fields(structure, descriptor, dict(ranges.values()), display)
-        if fields is not None:
-            return fields, True
+    if entries is not None and ranges is not None and direct_reads():
+        in_file = in_file_payload(descriptor, entries, ranges, size, display)
+        if in_file is not None:
+            return in_file, True
     # torch maps compressed entries as if they were stored (wrong values): map only stored ones.
-    return _from_torch_save(path, display, mapped=ranges is not None), False
+    fields = _from_torch_save(path, display, mapped=ranges is not None)
+    if ranges is not None:
+        _check_storages_fit(fields, dict(ranges.values()), display)
+    return fields, False
 
 
 def _check_storages_fit(fields: dict[str, Any], entry_ends: Mapping[int, int], display: str) -> None:
@@ -199,12 +191,10 @@ def read_all(descriptor: int) -> bytes:
         return handle.read()
 
 
-def _from_torch_save(
-    source: Path | str | io.BytesIO, display: str, mapped: bool, map_location: str = "cpu"
-) -> dict[str, Any]:
+def _from_torch_save(source: Path | str | io.BytesIO, display: str, mapped: bool) -> dict[str, Any]:
     """A `torch.save` payload through the weights-only unpickler, as a dict of fields."""
     try:
-        loaded = torch.load(source, map_location=map_location, weights_only=True, mmap=mapped)
+        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as error:
         fail(display, "payload", f"refused by the weights-only loader ({_unpickler_reason(error)})")
     except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...
