@@ -16,13 +16,13 @@ for version in "${versions[@]}"; do
   venv="$root/torch-$version"
   echo "== torch $version ($venv)"
   [[ -x "$venv/bin/python" ]] || python -m venv "$venv"
-  if ! "$venv/bin/python" -m pip install --quiet "torch==$version" \
-    || ! "$venv/bin/python" -m pip install --quiet -e ".[test]"; then
+  # scripts/setup.sh with the venv's python: torch first, then the package and its test and build extras.
+  if ! PATH="$venv/bin:$PATH" TORCH_SPEC="torch==$version" bash scripts/setup.sh; then
     echo "== torch $version: install failed"; status=1; continue
   fi
   "$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'
   # The venv's own editable install, not whichever checkout PYTHONPATH names.
-  if (cd tests/.. && env -u PYTHONPATH "$venv/bin/python" -m pytest -m "not slow" -q -p no:cacheprovider); then
+  if env -u PYTHONPATH "$venv/bin/python" -m pytest -m "not slow" -q -p no:cacheprovider; then
     echo "== torch $version: passed"
   else
     echo "== torch $version: FAILED"; status=1
