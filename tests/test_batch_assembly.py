@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 import zipfile
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -15,12 +16,14 @@ import torch.multiprocessing
 from cachefactory import make_payload, write_cache
 from torch.utils.data import DataLoader
 
+import image_edit_data.batch.buffer as batch_buffer_module
 import image_edit_data.batch.collate as collate_module
 import image_edit_data.batch.shared_batch as shared_batch_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.batch.buffer import BatchBuffer, BufferPool
+from image_edit_data.batch.buffer import BatchBuffer, BufferPool, halves_by_bytes
 from image_edit_data.batch.shared_batch import SharedBatch
 from image_edit_data.batch.shared_ring import CAPACITY, RECEIVED
+from image_edit_data.payload.file_tensor import FileTensor
 from image_edit_data.payload.torch_save.torch_zip import zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
@@ -180,9 +183,37 @@ def test_a_payload_that_shrinks_after_its_header_was_checked_is_a_clear_error(tm
         payload.close()
 
 
-@pytest.mark.parametrize("broken", [0, 1])
-def test_a_file_cut_short_while_the_batch_reads_it_is_a_clear_error(tmp_path: Path, broken: int) -> None:
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_batches_read_by_two_threads_equal_batches_read_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    root = write_cache(tmp_path, payloads(), suffix=suffix)
+    serial = batches(root, num_workers=0)
+    helper_files: list[int] = []
+    read_each = BatchBuffer.read_each
+
+    def noting_read_each(self: BatchBuffer, files: list) -> None:
+        if threading.current_thread().name.startswith("image-edit-data-read"):
+            helper_files.append(len(files))
+        read_each(self, files)
+
+    monkeypatch.setattr(batch_buffer_module, "PARALLEL_READ_MIN_BYTES", 1)
+    monkeypatch.setattr(batch_buffer_module, "usable_cores", lambda: 2)  # as on any machine with two cores
+    monkeypatch.setattr(BatchBuffer, "read_each", noting_read_each)
+    monkeypatch.setattr(collate_module, "BatchBuffer", DirtyBuffer)
+    parallel = batches(root, num_workers=0)
+    assert len(helper_files) == 2 and all(1 <= n <= 2 for n in helper_files)  # of each batch's 3 files
+    for a, b in zip(serial, parallel, strict=True):
+        assert_same_batch(a, b)
+
+
+@pytest.mark.parametrize("broken", [0, 1])  # one of the two files is read by the helper thread
+def test_a_file_that_fails_in_either_reader_thread_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: int
+) -> None:
     root = write_cache(tmp_path, payloads(2), suffix=".safetensors")
+    monkeypatch.setattr(batch_buffer_module, "PARALLEL_READ_MIN_BYTES", 1)
+    monkeypatch.setattr(batch_buffer_module, "usable_cores", lambda: 2)
     dataset = ImageEditDataset(root)
     opened = [dataset.open_sample(0), dataset.open_sample(1)]
     try:
@@ -239,3 +270,14 @@ def test_zip_sizes_read_from_the_central_directory_match_zipfile(tmp_path: Path)
     # Layouts torch.save does not write are left to zipfile.
     assert central_total(zip_bytes({"a": b"1"}, comment=b"note"), tmp_path) is None
     assert central_total(saved.getvalue()[:-5], tmp_path) is None
+
+
+def test_files_are_split_between_the_two_readers_by_bytes() -> None:
+    def file_of(nbytes: int) -> list:
+        return [(0, 0, FileTensor((nbytes,), torch.uint8, -1, 0, nbytes, "f"))]
+
+    files = [file_of(n) for n in (10, 70, 20, 30, 40)]
+    mine, theirs = halves_by_bytes(files)
+    sums = sorted(sum(part[2].nbytes for parts in group for part in parts) for group in (mine, theirs))
+    assert sums == [80, 90]
+    assert sorted(id(f) for f in mine + theirs) == sorted(id(f) for f in files)
