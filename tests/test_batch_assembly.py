@@ -228,17 +228,6 @@ def test_a_file_that_fails_in_either_reader_thread_is_a_clear_error(
             payload.close()
 
 
-def test_files_are_split_between_the_two_readers_by_bytes() -> None:
-    def file_of(nbytes: int) -> list:
-        return [(0, 0, FileTensor((nbytes,), torch.uint8, -1, 0, nbytes, "f"))]
-
-    files = [file_of(n) for n in (10, 70, 20, 30, 40)]
-    mine, theirs = halves_by_bytes(files)
-    sums = sorted(sum(part[2].nbytes for parts in group for part in parts) for group in (mine, theirs))
-    assert sums == [80, 90]
-    assert sorted(id(f) for f in mine + theirs) == sorted(id(f) for f in files)
-
-
 def test_legacy_pt_payloads_are_read_too(tmp_path: Path) -> None:
     items = payloads(3)
     root = write_cache(tmp_path, items)
@@ -281,3 +270,14 @@ def test_zip_sizes_read_from_the_central_directory_match_zipfile(tmp_path: Path)
     # Layouts torch.save does not write are left to zipfile.
     assert central_total(zip_bytes({"a": b"1"}, comment=b"note"), tmp_path) is None
     assert central_total(saved.getvalue()[:-5], tmp_path) is None
+
+
+def test_files_are_split_between_the_two_readers_by_bytes() -> None:
+    def file_of(nbytes: int) -> list:
+        return [(0, 0, FileTensor((nbytes,), torch.uint8, -1, 0, nbytes, "f"))]
+
+    files = [file_of(n) for n in (10, 70, 20, 30, 40)]
+    mine, theirs = halves_by_bytes(files)
+    sums = sorted(sum(part[2].nbytes for parts in group for part in parts) for group in (mine, theirs))
+    assert sums == [80, 90]
+    assert sorted(id(f) for f in mine + theirs) == sorted(id(f) for f in files)

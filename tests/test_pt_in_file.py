@@ -13,11 +13,17 @@ import torch
 from cachefactory import make_payload, write_cache
 
 import image_edit_data.payload.payload as payload_module
+import image_edit_data.payload.torch_save._private_torch as private_module
 from image_edit_data import ImageEditDataset, collate_image_edit
 from image_edit_data.payload.file_tensor import FileTensor
 from image_edit_data.payload.payload import open_payload
-from image_edit_data.payload.torch_save.pt_in_file import NotAByteRange, file_tensor
-from image_edit_data.payload.torch_save.pt_structure import direct_unpickling_works, same_structure, structure_on_meta
+from image_edit_data.payload.torch_save._private_torch import (
+    NotAByteRange,
+    direct_unpickling_works,
+    file_tensor,
+    same_structure,
+    structure_on_meta,
+)
 from image_edit_data.payload.torch_save.torch_zip import data_range, stored_data_ranges, zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
@@ -104,16 +110,15 @@ def test_payloads_that_are_not_plain_byte_ranges_are_loaded_by_torch_with_the_sa
     if case == "big-endian":
         for path in paths:
             to_big_endian(path)
-    if case == "old torch":  # a torch whose unpickler cannot run alone and whose meta loading notes no offsets
-        monkeypatch.setattr(payload_module, "structure_on_meta", lambda *args: None)
-        monkeypatch.setattr(payload_module, "torch_notes_storage_offsets", lambda: False)
+    if case == "old torch":  # a torch whose private unpickler fails the self-check
+        monkeypatch.setattr(payload_module, "direct_reads", lambda: False)
     with open_payload(paths[0], "sample 0") as payload:
         assert not any(type(t) is FileTensor for t in cache_tensors(payload.fields))
     assert_batch_holds(batch_of_all(root), items)
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["own unpickler call", "torch.load onto meta"])
-def test_both_ways_of_unpickling_the_structure_read_the_same_tensors_in_place(
+@pytest.mark.parametrize("direct", [True, False], ids=["private path", "public path"])
+def test_the_private_and_the_public_path_give_the_same_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
     items = varied_payloads()
@@ -122,17 +127,39 @@ def test_both_ways_of_unpickling_the_structure_read_the_same_tensors_in_place(
     loads: list[Any] = []
 
     def counted_load(*args: Any, **kwargs: Any) -> Any:
-        loads.append(args[0])
+        loads.append(kwargs)
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(torch, "load", counted_load)
     if not direct:
-        monkeypatch.setattr(payload_module, "structure_on_meta", lambda *args: None)
+        monkeypatch.setattr(payload_module, "direct_reads", lambda: False)
     with open_payload(root / "samples" / "sample_00000002.pt", "sample 2") as payload:
-        assert all(type(t) is FileTensor for t in cache_tensors(payload.fields))
+        assert all((type(t) is FileTensor) is direct for t in cache_tensors(payload.fields))
         assert payload.fields["metadata"] == items[2]["metadata"]
     assert_batch_holds(batch_of_all(root), items)
-    assert (loads == []) is direct  # the direct call never goes through torch.load
+    if direct:
+        assert loads == []  # the private path never goes through torch.load
+    else:
+        assert loads and all(k["weights_only"] and k["mmap"] for k in loads)
+
+
+@pytest.mark.parametrize("case", ["works", "self-check fails", "public forced"])
+def test_which_pt_path_runs_is_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    monkeypatch.setattr(private_module, "_DIRECT", None)
+    monkeypatch.delenv(private_module.PUBLIC_ENV, raising=False)
+    if case == "self-check fails":
+        monkeypatch.setattr(private_module, "direct_unpickling_works", lambda: False)
+    if case == "public forced":
+        monkeypatch.setenv(private_module.PUBLIC_ENV, "1")
+    with caplog.at_level("INFO", logger=private_module.__name__):
+        results = {private_module.direct_reads() for _ in range(3)}
+    assert results == {case == "works"}
+    (record,) = caplog.records
+    assert record.levelname == ("WARNING" if case == "self-check fails" else "INFO")
+    assert ("private weights-only Unpickler" in record.message) is (case != "public forced")
+    assert ("torch.load" in record.message) is (case != "works")
 
 
 def direct_structure(path: Path) -> dict[str, Any] | None:
@@ -191,7 +218,7 @@ def test_unusual_or_hostile_pickles_are_left_to_torch_load_and_reported(tmp_path
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["own unpickler call", "torch.load onto meta"])
+@pytest.mark.parametrize("direct", [True, False], ids=["private path", "public path"])
 @pytest.mark.parametrize("view", ["contiguous", "transposed"])
 def test_a_storage_longer_than_its_zip_entry_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, view: str
@@ -205,7 +232,7 @@ def test_a_storage_longer_than_its_zip_entry_is_refused(
     torch.save(payload, path)
     rewrite_zip(path, edit=lambda name, data: data[:-4] if name.endswith("/data/0") else data)
     if not direct:
-        monkeypatch.setattr(payload_module, "structure_on_meta", lambda *args: None)
+        monkeypatch.setattr(payload_module, "direct_reads", lambda: False)
     with pytest.raises(
         ValueError, match="sample 0: payload: a tensor storage needs 3072 bytes, its zip entry holds 3068"
     ):

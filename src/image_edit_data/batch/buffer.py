@@ -1,31 +1,27 @@
 """`BatchBuffer`: the one block of memory a batch's tensors live in, and the copies into it.
 
-In the training process it is ordinary memory, filled with `preadv` (file pages -> buffer) and
-memcpy; a big batch's files are read two at a time when the process may use two cores, since one
-thread's kernel copy out of the page cache falls well short of the memory bandwidth. In a
-loader worker it is a block of the worker's shared-memory ring, filled the same way once its pages
-are in place. A one-off shared block (every ring block still held) is filled through its file
-instead: the kernel copies file pages into it with `sendfile` and tensors with `pwrite`, so its
-fresh pages are never first zeroed and then faulted in one by one, as writing through the mapping
-would make them.
+In the training process it is ordinary memory from a small pool, filled with `preadv` (file pages
+-> buffer) and memcpy. In a loader worker it is a block of the worker's shared-memory ring, filled
+the same way, or a one-off shared block while every ring block is still held. Only public torch
+API: `torch.frombuffer` and `share_memory_()` (an interleaved A/B found no gain in torch's private
+shared-memory calls or a `sendfile`-filled one-off block; docs/performance.md). In the training
+process a big batch's files are read by two threads when the process may use two cores: one
+thread's kernel copy out of the page cache falls well short of the memory bandwidth.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
-import torch.multiprocessing
 
-from ..errors import fail
 from ..payload.file_tensor import FileTensor, read_into
-from .shared_ring import Lease, worker_ring
+from .shared_ring import Lease, shared_bytes, worker_ring
 
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
 # Handing files to a second thread costs a thread wake-up and GIL hand-offs; for smaller batches that
@@ -37,15 +33,16 @@ class BufferPool:
     """The training process's batch memory, reused once no tensor of an earlier batch holds it.
 
     Fresh memory for every batch costs a page fault and a zeroed page per 4 KiB, which takes longer
-    than copying the batch into it. A pooled block is lent to torch through `torch.frombuffer`,
-    which keeps a reference to the numpy array for as long as any tensor uses it; the array's
-    reference count therefore says when the block is free again. A batch kept by the caller is
-    never overwritten: its block just stays lent.
+    than copying the batch into it. A pooled block is lent to torch through `torch.frombuffer` on a
+    numpy view of it, which torch keeps for as long as any tensor uses it; a finalizer on that view
+    flags the block free again, as the workers' rings do (`shared_ring.py`). A batch kept by the
+    caller is never overwritten: its block just stays lent.
     """
 
     def __init__(self, capacity: int = 4) -> None:
         self.capacity = capacity
         self.blocks: list[np.ndarray] = []
+        self.lent: list[bool] = []
         self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -53,17 +50,23 @@ class BufferPool:
         if not nbytes:
             return torch.empty(0, dtype=torch.uint8)
         with self.lock:
-            free = [i for i in range(len(self.blocks)) if sys.getrefcount(self.blocks[i]) <= 2]  # list + argument
+            free = [i for i in range(len(self.blocks)) if not self.lent[i]]
             fitting = [i for i in free if nbytes <= self.blocks[i].nbytes <= 2 * nbytes]
             if fitting:
-                block = self.blocks[min(fitting, key=lambda i: self.blocks[i].nbytes)]
-            else:
-                block = np.empty(nbytes, dtype=np.uint8)
-                if len(self.blocks) < self.capacity:
-                    self.blocks.append(block)
-                elif free:  # replace the smallest free block: batch sizes have moved on
-                    self.blocks[min(free, key=lambda i: self.blocks[i].nbytes)] = block
-            return torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
+                slot = min(fitting, key=lambda i: self.blocks[i].nbytes)
+            elif len(self.blocks) < self.capacity:
+                slot = len(self.blocks)
+                self.blocks.append(np.empty(nbytes, dtype=np.uint8))
+                self.lent.append(False)
+            elif free:  # replace the smallest free block: batch sizes have moved on
+                slot = min(free, key=lambda i: self.blocks[i].nbytes)
+                self.blocks[slot] = np.empty(nbytes, dtype=np.uint8)
+            else:  # every block is held by a batch still alive
+                return torch.empty(nbytes, dtype=torch.uint8)
+            self.lent[slot] = True
+            owner = self.blocks[slot][:nbytes]
+            weakref.finalize(owner, self.lent.__setitem__, slot, False)
+            return torch.frombuffer(owner, dtype=torch.uint8)
 
 
 POOL = BufferPool()
@@ -74,17 +77,13 @@ class BatchBuffer:
 
     def __init__(self, nbytes: int, shared: bool) -> None:
         self.shared = shared
-        self.descriptor: int | None = None
         self.lease: Lease | None = None
         if not shared:
             self.tensor = POOL.take(nbytes)
         elif nbytes and (lease := worker_ring().lend(nbytes)) is not None:
-            self.lease, self.tensor = lease, lease.tensor  # its pages are in place after first use: fill by mapping
+            self.lease, self.tensor = lease, lease.tensor
         else:  # every ring block is still held: a one-off block
-            storage = torch.UntypedStorage._new_shared(nbytes)
-            self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
-            if nbytes and torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
-                self.descriptor = storage._share_fd_cpu_()[0]  # the file behind the mapping, still ours
+            self.tensor = shared_bytes(nbytes)
         self.array = self.tensor.numpy()
         self.view = memoryview(self.array)  # type: ignore[arg-type]  # numpy arrays are buffers
 
@@ -99,12 +98,7 @@ class BatchBuffer:
             self.tensor[start : start + count].view(source.dtype).view(source.shape).copy_(source)
             return
         data = memoryview(source.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        if self.descriptor is None:
-            self.view[start : start + len(data)] = data
-            return
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.descriptor, data[done:], start + done)
+        self.view[start : start + len(data)] = data
 
     def read_files(self, files: Sequence[Sequence[Part]]) -> None:
         """Read every file's tensors into their places; two files at a time in the training process.
@@ -132,15 +126,6 @@ class BatchBuffer:
 
     def read(self, parts: Sequence[Part]) -> None:
         """Read one file's tensors (sorted by file offset) into their places."""
-        if self.descriptor is not None:
-            try:
-                for file_offset, start, tensor in parts:
-                    self.send(self.descriptor, file_offset, start, tensor)
-                return
-            except OSError as error:
-                if error.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-                # A file system that cannot splice its pages: read through the mapping instead.
         run: list[Part] = []
         for part in parts:
             if run and run[-1][0] + run[-1][2].nbytes != part[0]:
@@ -158,21 +143,6 @@ class BatchBuffer:
             return
         for _, start, tensor in run:  # a short read (signal, or the file changed): finish part by part
             read_into(tensor.descriptor, tensor.offset, self.view[start : start + tensor.nbytes], tensor.display)
-
-    @staticmethod
-    def send(descriptor: int, file_offset: int, start: int, tensor: FileTensor) -> None:
-        """Copy one tensor from its file into the shared-memory file `descriptor` at `start`, inside the kernel."""
-        os.lseek(descriptor, start, os.SEEK_SET)
-        done = 0
-        while done < tensor.nbytes:
-            count = os.sendfile(descriptor, tensor.descriptor, file_offset + done, tensor.nbytes - done)
-            if count == 0:
-                fail(
-                    tensor.display,
-                    "payload",
-                    f"file ended {tensor.nbytes - done} bytes early (it changed while being read)",
-                )
-            done += count
 
 
 def halves_by_bytes(files: Sequence[Sequence[Part]]) -> tuple[list[Sequence[Part]], list[Sequence[Part]]]:

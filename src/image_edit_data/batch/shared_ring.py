@@ -24,9 +24,9 @@ CAPACITY = 8  # blocks per worker: batches in flight (prefetch) plus those the t
 FREE, LENT = 0, 1
 
 
-def _shared_bytes(nbytes: int) -> torch.Tensor:
-    """`nbytes` uninitialised bytes of shared memory as a flat uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+def shared_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes of shared memory as a flat uint8 tensor (their contents are to be overwritten)."""
+    return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
 
 
 @dataclass
@@ -48,7 +48,7 @@ class WorkerRing:
 
     def __init__(self) -> None:
         self.token = f"{os.getpid()}:{secrets.token_hex(8)}"
-        self.flag_tensor = _shared_bytes(CAPACITY)
+        self.flag_tensor = shared_bytes(CAPACITY)
         self.flags = self.flag_tensor.numpy()
         self.flags[:] = FREE
         self.flags_sent = False
@@ -64,7 +64,7 @@ class WorkerRing:
             slot = min(fitting, key=lambda s: self.size(s))
         elif free:  # an empty slot first, else replace the smallest free block
             slot = min(free, key=lambda s: (self.blocks[s] is not None, self.size(s)))
-            self.blocks[slot] = _shared_bytes(nbytes)
+            self.blocks[slot] = shared_bytes(nbytes)
             self.generations[slot] += 1
             self.sent[slot] = False
         else:

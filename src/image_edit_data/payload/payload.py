@@ -26,8 +26,7 @@ from ..contract.paths import open_regular
 from ..errors import fail, show
 from .file_tensor import FileTensor
 from .safetensors_header import read_header
-from .torch_save.pt_in_file import in_file_fields, torch_notes_storage_offsets
-from .torch_save.pt_structure import structure_on_meta
+from .torch_save._private_torch import direct_reads, in_file_payload
 from .torch_save.torch_zip import ZipEntry, stored_data_ranges, zip_entries
 
 PayloadFormat = Literal["pt", "safetensors"]
@@ -113,12 +112,11 @@ def open_payload(
 def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
     """A `torch.save` payload's fields, and whether its tensors are `FileTensor`s of `descriptor`.
 
-    When the layout allows, torch's weights-only unpickler builds only the structure (onto the
-    meta device, each storage noting where it lies in the file; run directly by `pt_structure`,
-    else through `torch.load`) and the batch later reads the bytes straight into its own memory,
-    as for safetensors. Otherwise the tensors are mapped from the file (views that are not plain
-    byte ranges) or loaded into memory (compressed entries, the other byte order, another zip
-    layout).
+    Where torch's private path works (`torch_save/_private_torch.py`), the weights-only unpickler
+    builds only the structure and the batch later reads the bytes straight into its own memory, as
+    for safetensors. Otherwise `torch.load(weights_only=True)` maps the tensors from the file (when
+    its data entries are stored) or loads them into memory (compressed entries, the other byte
+    order, another zip layout), and the batch copies them.
     """
     if size == 0:
         fail(display, "file", "is empty (0 bytes)")
@@ -127,15 +125,52 @@ def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: st
     entries = zip_entries(descriptor, size)
     _check_zip_expansion(path, entries, size, display)
     ranges = None if entries is None else stored_data_ranges(descriptor, entries, size)
-    if entries is not None and ranges is not None:
-        structure = structure_on_meta(descriptor, entries, ranges, size)
-        if structure is None and torch_notes_storage_offsets():
-            structure = _from_torch_save(path, display, mapped=False, map_location="meta")
-        fields = None if structure is None else in_file_fields(structure, descriptor, dict(ranges.values()), display)
-        if fields is not None:
-            return fields, True
+    if entries is not None and ranges is not None and direct_reads():
+        in_file = in_file_payload(descriptor, entries, ranges, size, display)
+        if in_file is not None:
+            return in_file, True
     # torch maps compressed entries as if they were stored (wrong values): map only stored ones.
-    return _from_torch_save(path, display, mapped=ranges is not None), False
+    fields = _from_torch_save(path, display, mapped=ranges is not None)
+    if ranges is not None:
+        _check_storages_fit(fields, dict(ranges.values()), display)
+    return fields, False
+
+
+def _check_storages_fit(fields: dict[str, Any], entry_ends: Mapping[int, int], display: str) -> None:
+    """Refuse a mapped payload whose tensor storage runs past its zip entry (into the next entry).
+
+    `torch.load(mmap=True)` maps the whole file and places each storage at its entry's start, so the
+    storages' addresses, less the one address of the file's start, must be entry starts.
+    """
+    storages = {}
+    pending: list[Any] = [fields]
+    while pending:  # without recursion: pickles nest deep
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            if item.layout != torch.strided or item.device.type != "cpu":
+                continue  # the contract checks name what it is
+            storage = item.untyped_storage()
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+    if not storages:
+        return
+    lowest = min(storages)
+    for base in sorted({lowest - start for start in entry_ends}, reverse=True):
+        if all(address - base in entry_ends for address in storages):
+            for address, nbytes in storages.items():
+                start = address - base
+                if nbytes > entry_ends[start] - start:
+                    fail(
+                        display,
+                        "payload",
+                        f"a tensor storage needs {nbytes} bytes, its zip entry holds {entry_ends[start] - start}",
+                    )
+            return
+    fail(display, "payload", "a tensor storage does not start at a zip entry of the file")
 
 
 def _check_zip_expansion(path: Path | str, entries: list[ZipEntry] | None, size: int, display: str) -> None:
@@ -163,12 +198,10 @@ def read_all(descriptor: int) -> bytes:
         return handle.read()
 
 
-def _from_torch_save(
-    source: Path | str | io.BytesIO, display: str, mapped: bool, map_location: str = "cpu"
-) -> dict[str, Any]:
+def _from_torch_save(source: Path | str | io.BytesIO, display: str, mapped: bool) -> dict[str, Any]:
     """A `torch.save` payload through the weights-only unpickler, as a dict of fields."""
     try:
-        loaded = torch.load(source, map_location=map_location, weights_only=True, mmap=mapped)
+        loaded = torch.load(source, map_location="cpu", weights_only=True, mmap=mapped)
     except pickle.UnpicklingError as error:
         fail(display, "payload", f"refused by the weights-only loader ({_unpickler_reason(error)})")
     except Exception as error:  # hostile bytes reach torch's parsers, which raise struct.error, IndexError, ...

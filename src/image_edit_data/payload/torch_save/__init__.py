@@ -1,14 +1,6 @@
-"""A torch.save (.pt) payload read without copying its tensors: the zip layout, the pickled structure, byte ranges."""
+"""A torch.save (.pt) payload read without copying its tensors twice: the zip layout, and torch's private path."""
 
-from .pt_in_file import in_file_fields, torch_notes_storage_offsets
-from .pt_structure import structure_on_meta
+from ._private_torch import direct_reads, in_file_payload
 from .torch_zip import ZipEntry, stored_data_ranges, zip_entries
 
-__all__ = [
-    "ZipEntry",
-    "in_file_fields",
-    "stored_data_ranges",
-    "structure_on_meta",
-    "torch_notes_storage_offsets",
-    "zip_entries",
-]
+__all__ = ["ZipEntry", "direct_reads", "in_file_payload", "stored_data_ranges", "zip_entries"]
