@@ -242,8 +242,8 @@ def _unpickler_reason(error: pickle.UnpicklingError) -> str:
     text = str(error)
     if "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1]
-    elif "\n\n" in text:
-        text = text.split("\n\n", 1)[1]
+    elif text.startswith("Weights only load failed"):  # its first line is advice, the reason follows
+        text = text.split("\n", 1)[1] if "\n" in text else ""
     text = text.split("Check the documentation")[0].split(" Please use")[0]
     return " ".join(text.split()) or "no reason given"
 

@@ -5,9 +5,9 @@ unpickler: its own zip reader, device and fake-mode checks for every storage, th
 mapping. Here the pickle is read with one `pread` from the zip entries the caller has parsed and run
 through the unpickler `weights_only=True` runs (`torch._weights_only_unpickler.Unpickler`, so the
 same globals are allowed and refused). Each storage becomes a meta storage (`TypedStorage(...,
-_internal=True)`) that notes where its bytes start in the file (`_checkpoint_offset`, as torch's
-own meta loading does), and each tensor that is one plain byte range of a stored entry becomes a
-`FileTensor`, which the batch reads straight from the file, as for safetensors.
+_internal=True)`) that notes where its bytes start in the file (`_checkpoint_offset`, as recent
+torch's meta loading does), and each tensor that is one plain byte range of a stored entry becomes
+a `FileTensor`, which the batch reads straight from the file, as for safetensors.
 
 The interleaved A/B that justifies it is in docs/performance.md. A self-check at first use compares
 this path with `torch.load` on a small payload; where it fails (a torch whose internals differ), or
