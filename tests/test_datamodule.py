@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -210,3 +212,40 @@ def test_every_config_field_is_settable_on_the_datamodule(tmp_path: Path) -> Non
     assert saved == {**dataclasses.asdict(module.config), **module_options}
     with pytest.raises(TypeError, match="unknown_option"):
         ImageEditDataModule(cache_dir=str(tmp_path), unknown_option=1)
+
+
+def test_a_new_pass_forks_its_workers_only_after_the_previous_pass_s_workers_are_gone(cache: Path) -> None:
+    """Lightning ends a sized epoch without exhausting its pass; that pass's pool must not outlive it.
+
+    A worker forked beside a live pool copies a process that runs the other pool's queue threads,
+    and two pools of workers at once hold twice the memory.
+    """
+    built = ImageEditDataloaderConfig(cache_dir=str(cache), num_workers=2).build(
+        dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    loader = LightningLoader(built.dataloader, built.sampler)
+    recording: list[int] = []  # the pass being started, while the test records
+    alive_at_fork: list[tuple[int, set[int]]] = []  # (pass, worker pids alive) at each fork
+    workers_of_pass: list[set[int]] = []
+
+    def before_fork() -> None:
+        if recording:
+            alive_at_fork.append((recording[0], {p.pid for p in multiprocessing.active_children()}))
+
+    os.register_at_fork(before=before_fork)  # cannot be unregistered: inert once `recording` is empty
+    try:
+        for epoch in range(3):
+            built.sampler.set_epoch(epoch)
+            recording[:] = [epoch]
+            for step, _ in enumerate(loader):
+                if step == 0:
+                    workers_of_pass.append({p.pid for p in multiprocessing.active_children()})
+                if step == 2:
+                    break  # mid-pass, as Lightning leaves a sized epoch
+        recording.clear()
+        assert [n for n, _ in alive_at_fork] == [0, 0, 1, 1, 2, 2]  # two workers forked per pass
+        for n, alive in alive_at_fork[2:]:
+            assert not alive & workers_of_pass[n - 1], f"pass {n - 1}'s workers were alive when pass {n} forked"
+    finally:
+        recording.clear()
+        loader.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from cachefactory import tiny_cache
 from fit_harness import FitOptions, SimulatedKill, fit, planned
+from process_group import run_process_group
 
 from image_edit_data import ResumeMismatchError
 
@@ -30,7 +31,7 @@ Records = list[list[tuple[int, list[int]]]]
 def run(cache: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, str(HARNESS), str(cache), str(out), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return run_process_group(command, timeout=300, env=env)
 
 
 def records(out: Path, devices: int) -> Records:

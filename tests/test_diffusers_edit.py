@@ -16,6 +16,7 @@ import torch
 import yaml
 from cachefactory import make_payload, write_cache
 from diffusers_fit_harness import tiny_module
+from process_group import run_process_group
 
 from image_edit_data import ImageEditDataModule
 from image_edit_data.__main__ import main
@@ -112,7 +113,7 @@ def harness(cache: Path, out: Path, *args: str) -> subprocess.CompletedProcess[s
     """Run diffusers_fit_harness.py in a fresh process."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, str(HARNESS), str(cache), str(out), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return run_process_group(command, timeout=300, env=env)
 
 
 def records(out: Path, rank: int = 0) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ import yaml
 from cachefactory import tiny_cache
 from fit_harness import FitOptions, SimulatedKill, fit
 from fsspec.implementations.local import LocalFileSystem
+from process_group import run_process_group
 from s3server import make_bucket, moto_server
 
 from image_edit_data.__main__ import main
@@ -256,7 +257,7 @@ def test_a_real_fit_with_workers_on_s3_killed_after_a_checkpoint_resumes_exactly
     def run(out: str, *extra: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, str(harness), packed_url, str(tmp_path / out), *common, *extra]
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        return run_process_group(command, timeout=300, env=env)
 
     # The data order does not depend on workers, so an in-process run gives the uninterrupted baseline.
     options = dict(storage_options=json.dumps(s3), remote_read="range", local_cache_dir=str(tmp_path / "local"))

@@ -42,9 +42,11 @@ class LightningLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         # A generator, so Lightning's probing `iter()` starts no worker pool until it is used.
-        # Lightning stops a sized epoch after its last batch without exhausting the pass; closing
-        # that pass here stops its workers now rather than whenever its generator is collected.
-        self._close_pass()
+        # Lightning stops a sized epoch after its last batch without exhausting the pass; the
+        # previous pass's workers are shut down here, before the new pass forks its own, rather
+        # than when torchdata replaces its iterator after the fork: a fork never copies a process
+        # that still runs another pool's queue threads, and workers never run two pools at once.
+        self.close()
         batches = self._generate()
         self._batches = batches
         return batches
