@@ -83,19 +83,12 @@ def open_payload(
         descriptor, info = opened or open_regular(path, display)
     except OSError as error:
         fail(display, "file", f"cannot be read: {error.strerror or error}")
-    if member is not None or format_of(path) == "safetensors":
-        base, size = member if member is not None else (0, info.st_size)
-        try:
+    try:
+        if member is not None or format_of(path) == "safetensors":
+            base, size = member if member is not None else (0, info.st_size)
             if size == 0:
                 fail(display, "file", "is empty (0 bytes)")
             return OpenPayload(from_safetensors(descriptor, size, display, base), descriptor)
-        except OSError as error:
-            os.close(descriptor)
-            fail(display, "file", f"cannot be read: {error.strerror or error}")
-        except BaseException:
-            os.close(descriptor)
-            raise
-    try:
         fields, in_file = _torch_save_fields(path, descriptor, info.st_size, display)
     except OSError as error:
         os.close(descriptor)
