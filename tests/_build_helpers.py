@@ -91,11 +91,10 @@ def write_parquet(path: Path, columns: Mapping[str, list[Any]], image_columns: S
     return path
 
 
-def tiny_vae(path: Path, **config: Any) -> Path:
-    """A random 2-level AutoencoderKL (spatial factor 2), saved with save_pretrained."""
+def tiny_vae_model(**config: Any) -> Any:
+    """A random 2-level AutoencoderKL (spatial factor 2), drawn from torch's current random state."""
     from diffusers import AutoencoderKL
 
-    torch.manual_seed(0)
     args: dict[str, Any] = dict(
         block_out_channels=(8, 8),
         down_block_types=("DownEncoderBlock2D",) * 2,
@@ -105,7 +104,13 @@ def tiny_vae(path: Path, **config: Any) -> Path:
         layers_per_block=1,
         sample_size=32,
     )
-    AutoencoderKL(**(args | config)).save_pretrained(path)
+    return AutoencoderKL(**(args | config))
+
+
+def tiny_vae(path: Path, **config: Any) -> Path:
+    """`tiny_vae_model` with seed 0, saved with save_pretrained."""
+    torch.manual_seed(0)
+    tiny_vae_model(**config).save_pretrained(path)
     return path
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _build_helpers import WORDS, drawing, write_lines
+from _build_helpers import WORDS, drawing, tiny_vae_model, write_lines
 
 from image_edit_data.cache.cli import cache_main
 
@@ -166,7 +166,7 @@ def qwen_image_edit_pipeline(path: Path, plus: bool = True, parts: tuple[str, ..
 
 def flux_kontext_pipeline(path: Path) -> Path:
     """Save a tiny FluxKontextPipeline (AutoencoderKL, CLIP text model, T5 encoder) without its transformer."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import (
         CLIPTextConfig,
@@ -219,17 +219,7 @@ def flux_kontext_pipeline(path: Path) -> Path:
             relative_attention_num_buckets=8,
         )
     ).eval()
-    vae = AutoencoderKL(
-        block_out_channels=(8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=8,
-        layers_per_block=1,
-        sample_size=32,
-        scaling_factor=0.5,
-        shift_factor=0.25,
-    )
+    vae = tiny_vae_model(scaling_factor=0.5, shift_factor=0.25)
     pipeline = FluxKontextPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,

@@ -99,3 +99,14 @@ def tiny_cache(
         make_payload(i, target=buckets[b][0], contexts=buckets[b][1], sequence=3 + i % 4) for i, b in enumerate(plan)
     ]
     return write_cache(root, payloads, suffix=suffix, shards=shards)
+
+
+def same_samples(a: Any, b: Any) -> None:
+    """Assert two datasets hold equal samples in the same order: tensors (values and dtypes) and metadata."""
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        for key in ("target_latent", "prompt_embeddings", "prompt_attention_mask"):
+            assert torch.equal(x[key], y[key]) and x[key].dtype == y[key].dtype, key
+        assert all(torch.equal(p, q) for p, q in zip(x["context_latents"], y["context_latents"]))
+        assert x["metadata"] == y["metadata"]

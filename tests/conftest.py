@@ -3,6 +3,34 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module's tests: the tensors are tiny, and on a busy 2-core machine a
+    second thread only adds contention (up to ~10x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing is fetched from a hub: every model and tokenizer is made locally."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen-Image-Edit Plus pipeline saved to disk, one per test module."""
+    from _pipeline_helpers import qwen_image_edit_pipeline  # diffusers and transformers: only where used
+
+    return qwen_image_edit_pipeline(tmp_path_factory.mktemp("pipelines") / "qwen-image-edit-plus")

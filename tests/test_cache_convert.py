@@ -7,21 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cachefactory import make_payload, tiny_cache, write_cache
+from cachefactory import make_payload, same_samples, tiny_cache, write_cache
 
 from image_edit_data.cache.cli import cache_main
 from image_edit_data.cache.convert import convert_cache
 from image_edit_data.dataset import ImageEditDataset
-
-
-def same_samples(a: ImageEditDataset, b: ImageEditDataset) -> None:
-    assert len(a) == len(b)
-    for i in range(len(a)):
-        x, y = a[i], b[i]
-        for key in ("target_latent", "prompt_embeddings", "prompt_attention_mask"):
-            assert torch.equal(x[key], y[key]) and x[key].dtype == y[key].dtype, key
-        assert all(torch.equal(p, q) for p, q in zip(x["context_latents"], y["context_latents"]))
-        assert x["metadata"] == y["metadata"]
 
 
 def test_a_nemo_cache_converts_to_safetensors_and_back(tmp_path: Path) -> None:

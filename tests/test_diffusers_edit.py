@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,7 @@ ONE_CONTEXT: tuple[Shape, tuple[Shape, ...]] = ((CHANNELS, 8, 8), ((CHANNELS, 8,
 TWO_CONTEXTS: tuple[Shape, tuple[Shape, ...]] = ((CHANNELS, 6, 8), ((CHANNELS, 6, 8), (CHANNELS, 4, 4)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """One thread: the tensors are tiny, and a second thread on a busy 2-core machine only adds contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def edit_cache(

@@ -140,7 +140,12 @@ def fit(
     epochs: int = 2,
 ) -> None:
     loader = DataLoader(SleepyBatches(two_bucket_batches(), loader_delay), batch_size=None)
-    trainer = pl.Trainer(
+    quiet_trainer(monitor, tmp_path, logger, epochs).fit(TinyModel(step_delay), train_dataloaders=loader)
+
+
+def quiet_trainer(monitor: ImageEditDataMonitor, tmp_path: Any, logger: Logger | bool, epochs: int) -> pl.Trainer:
+    """A one-device CPU Trainer that logs every step through `logger` and writes nothing else."""
+    return pl.Trainer(
         accelerator="cpu",
         devices=1,
         max_epochs=epochs,
@@ -152,7 +157,6 @@ def fit(
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(TinyModel(step_delay), train_dataloaders=loader)
 
 
 def test_each_step_logs_rates_wait_and_bucket_id_under_the_prefix(tmp_path: Any) -> None:
@@ -317,19 +321,7 @@ def test_bucket_id_is_the_index_bucket_id_of_the_batch_signature(tmp_path: Any) 
     data = ImageEditDataModule(cache_dir=str(cache), batch_size=2, num_workers=0)
     logger, monitor, model = RecordingLogger(), ImageEditDataMonitor(), BucketRecordingModel()
     monitor.bucket_id("target=1x1x1/contexts=[]")  # ids seen before (or restored) give way to the index's
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=logger,
-        callbacks=[monitor],
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
-    trainer.fit(model, datamodule=data)
+    quiet_trainer(monitor, tmp_path, logger, epochs=1).fit(model, datamodule=data)
     index = ImageEditDataset(cache).index
     assert monitor.bucket_signatures == [signature.describe() for signature in index.signatures]
     logged = [int(m["data/bucket_id"]) for m in logger.data_records(STEP_METRICS)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _pipeline_helpers import QWEN, build, edit_manifest, qwen_image_edit_pipeline
+from _pipeline_helpers import QWEN, build, edit_manifest
 from PIL import Image
 
 from image_edit_data.cache.resize import ResizePolicy
@@ -38,14 +38,7 @@ SHARED_METADATA = (
 )
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return qwen_image_edit_pipeline(tmp_path_factory.mktemp("pipelines") / "qwen-image-edit-plus")
+pytestmark = pytest.mark.usefixtures("offline")
 
 
 def our_cache(cache: Path, manifest: Path, pipeline: Path, dtype: str, batch_size: int) -> Path:

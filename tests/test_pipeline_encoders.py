@@ -34,14 +34,7 @@ from image_edit_data.payload import load_payload
 CLI_SCRIPT = Path(__file__).with_name("_pipeline_cli.py")
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return qwen_image_edit_pipeline(tmp_path_factory.mktemp("pipelines") / "qwen-image-edit-plus")
+pytestmark = pytest.mark.usefixtures("offline")
 
 
 @pytest.fixture(scope="module")
