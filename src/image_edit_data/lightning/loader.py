@@ -58,13 +58,10 @@ class LightningLoader:
         pass that stops early (an exception, `max_steps`) keeps its workers until garbage
         collection, which may come late and then waits on queues half torn down.
         """
-        self._close_pass()
-        self.loader.close()
-
-    def _close_pass(self) -> None:
         if self._batches is not None:
             self._batches.close()
             self._batches = None
+        self.loader.close()
 
     def _generate(self) -> Generator[Batch, None, None]:
         sampler = self.batch_sampler
