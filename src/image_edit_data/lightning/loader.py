@@ -17,12 +17,11 @@ from ..sampling.sampler import BucketBatchSampler
 
 
 class LightningLoader:
-    """Iterates a StatefulDataLoader; exposes its sampler so Lightning's `set_epoch` reaches it."""
+    """Iterates a ResumableDataLoader; exposes its sampler so Lightning's `set_epoch` reaches it."""
 
     def __init__(self, loader: ResumableDataLoader, sampler: BucketBatchSampler) -> None:
         self.loader = loader
         self.batch_sampler = sampler
-        self.position: tuple[int, int] | None = None  # (epoch, batches of it handed to training)
         self._batches: Generator[Batch, None, None] | None = None
 
     @property
@@ -41,22 +40,20 @@ class LightningLoader:
         return max(len(self.loader), self.batch_sampler.steady_length())
 
     def __iter__(self) -> Iterator[Batch]:
-        # A generator, so Lightning's probing `iter()` starts no worker pool until it is used.
-        # Lightning stops a sized epoch after its last batch without exhausting the pass; the
-        # previous pass's workers are shut down here, before the new pass forks its own, rather
-        # than when torchdata replaces its iterator after the fork: a fork never copies a process
-        # that still runs another pool's queue threads, and workers never run two pools at once.
-        self.close()
+        # A generator, so Lightning's probing `iter()` starts no worker pool until it is used. The pool
+        # itself persists across passes (loading/resumable.py): an epoch change forks nothing.
+        if self._batches is not None:
+            self._batches.close()  # a pass Lightning stopped early, e.g. at its length
         batches = self._generate()
         self._batches = batches
         return batches
 
     def close(self) -> None:
-        """Stop the current pass and shut its worker processes down now.
+        """Stop the current pass and shut the worker pool down now.
 
         Lightning shuts down the workers only of loaders that are DataLoaders; without this, a
-        pass that stops early (an exception, `max_steps`) keeps its workers until garbage
-        collection, which may come late and then waits on queues half torn down.
+        run that ends or fails keeps its workers until garbage collection, which may come late
+        and then waits on queues half torn down.
         """
         if self._batches is not None:
             self._batches.close()
@@ -64,15 +61,9 @@ class LightningLoader:
         self.loader.close()
 
     def _generate(self) -> Generator[Batch, None, None]:
-        sampler = self.batch_sampler
-        self.position = (sampler.epoch, sampler.consumed)
-        for batch in self.loader:
-            # Lightning does not prefetch from sized loaders: a batch handed over here is the one it
-            # trains on next, so this is the trained position whenever a checkpoint is taken.
-            position = batch["metadata"].get("position")
-            if position is not None:
-                self.position = (position[0], position[1] + 1)
-            yield batch
+        # Lightning does not prefetch from sized loaders: a batch handed over here is the one it trains on
+        # next, and the loader moves the sampler's consumed position as it hands it over.
+        yield from self.loader
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the DataModule owns the data position, so Lightning must not restore a second copy."""
