@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +18,7 @@ from image_edit_data import ImageEditDataloaderConfig
 from image_edit_data.loading import LoaderWorkerTimeoutError
 
 TIMEOUT = 3.0
+SRC = Path(__file__).parents[1] / "src"
 
 pytestmark = pytest.mark.slow  # each test waits out a timeout and the shutdown of a stuck worker
 
@@ -68,3 +74,45 @@ def test_the_loader_runs_again_after_a_timeout(cache_dir: Path) -> None:
     built.sampler.set_epoch(0)
     rest = [batch["metadata"]["position"][1] for batch in built.dataloader]
     assert rest == list(range(2, len(built.sampler)))
+
+
+KILLED_OWNER = """
+import json, os, signal, sys
+from image_edit_data import ImageEditDataloaderConfig
+
+if __name__ == "__main__":
+    cache, start = sys.argv[1], sys.argv[2]
+    built = ImageEditDataloaderConfig(cache_dir=cache, num_workers=2, multiprocessing_context=start).build(
+        dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    next(iter(built.dataloader))
+    print(json.dumps([w.pid for w in built.dataloader._iterator._workers]), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("start", ["forkserver", "fork"])
+def test_workers_end_when_their_training_process_is_killed(tmp_path: Path, cache_dir: Path, start: str) -> None:
+    """A killed run leaves no workers behind (a fork server's workers do not have the run as parent)."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_OWNER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, str(script), str(cache_dir), start], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    workers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(workers) == 2
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has ended: it only waits for its parent to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -9,6 +9,9 @@ long, so a supervisor sees a clear error rather than a silent hang, and restarts
 from __future__ import annotations
 
 import functools
+import os
+import select
+import threading
 import time
 from collections.abc import Callable
 
@@ -32,6 +35,7 @@ class WorkerWatch:
         self.table = torch.zeros(num_workers, 4, dtype=torch.int64).share_memory_()
         self.rank = rank
         self.timeout = timeout
+        self.owner = os.getpid()  # the training process the workers serve
 
     def worker_init_fn(self) -> Callable[[int], None]:
         """The loader's `worker_init_fn`: picklable, so it works with every start method."""
@@ -69,10 +73,48 @@ class WorkerWatch:
 
 
 def start_worker(watch: WorkerWatch, worker: int) -> None:
-    """Runs in each new worker: remember its row and mark it started."""
+    """Runs in each new worker: remember its row, mark it started, and end it when the training process ends."""
     global _WORKER
     _WORKER = (watch, worker)
     watch.mark(worker, IDLE)
+    exit_with(watch.owner)
+
+
+def exit_with(owner: int) -> None:
+    """End this worker as soon as process `owner` has ended, however it ended.
+
+    Torch's workers watch their parent process; a fork server's workers have the server as parent,
+    which (holding the server's liveness pipe open for each other) would outlive a training process
+    that was killed. A thread blocked on a pidfd of the owner costs nothing until the owner ends.
+    """
+    if owner == os.getppid():
+        return  # forked from the owner itself: torch's own parent check covers it
+    try:
+        handle = os.pidfd_open(owner)
+    except (AttributeError, OSError):  # TODO(portability): no pidfd (not Linux >= 5.3): poll instead
+        handle = None
+    if handle is None and not _alive(owner):
+        os._exit(1)
+    threading.Thread(target=_wait_then_exit, args=(owner, handle), name="owner-watch", daemon=True).start()
+
+
+def _wait_then_exit(owner: int, handle: int | None) -> None:
+    if handle is not None:
+        select.select([handle], [], [])  # readable once the owner has exited
+    else:
+        while _alive(owner):
+            time.sleep(1.0)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def batch_started(position: tuple[int, int] | None) -> None:
