@@ -132,9 +132,10 @@ def condition_manifest(root: Path, conditions: list[tuple[int, int]], rows: int 
     return write_lines(root / "edits.jsonl", lines)
 
 
-def what_the_qwen_pipeline_gives(path: Path, prompt: str, images: list[Image.Image]) -> torch.Tensor:
-    """`encoder_hidden_states` `[S, D]` the pipeline's `__call__` gives its transformer for one prompt: its own
-    resize of the condition images (`calculate_dimensions` and the areas of its module), then `encode_prompt`."""
+def what_the_qwen_pipeline_gives(path: Path, prompt: str, images: list[Image.Image]) -> tuple[torch.Tensor, int]:
+    """`encoder_hidden_states` `[S, D]` the pipeline's `__call__` gives its transformer for one prompt (its own
+    resize of the condition images: `calculate_dimensions` and the areas of its module, then `encode_prompt`),
+    and how many of the S are vision tokens."""
     import diffusers
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
 
@@ -153,7 +154,8 @@ def what_the_qwen_pipeline_gives(path: Path, prompt: str, images: list[Image.Ima
     with torch.no_grad():  # as in __call__
         embeddings, mask = pipeline.encode_prompt(prompt=[prompt], image=condition, device="cpu")
     assert mask is None  # one prompt: every position is a real token
-    return embeddings[0]
+    grids = pipeline.processor.image_processor(images=condition, return_tensors="pt")["image_grid_thw"]
+    return embeddings[0], int(grids.prod(dim=1).sum()) // 4  # 2x2 patches merge into one token
 
 
 def test_a_first_release_cache_keeps_every_token_the_pipeline_gives_for_a_1024x768_condition(
@@ -163,10 +165,10 @@ def test_a_first_release_cache_keeps_every_token_the_pipeline_gives_for_a_1024x7
     build(tmp_path / "cache", manifest, QWEN, first_release_path, "--encoder.torch_dtype", "float32")
     payload = load_payload(tmp_path / "cache" / "samples" / "sample_00000000.pt", "sample 0")
     condition = Image.open(tmp_path / "raw" / "images" / "0_cond0.png")
-    given = what_the_qwen_pipeline_gives(first_release_path, INSTRUCTION, [condition])
-    # Qwen2.5-VL sees the input at 1184x896: 42x32 merged 28-pixel patches, 1,344 vision tokens, then the
-    # instruction; a cut at 1,024 tokens would keep vision tokens only.
-    assert given.shape[0] > 1344 + len(INSTRUCTION) > 1024
+    given, vision = what_the_qwen_pipeline_gives(first_release_path, INSTRUCTION, [condition])
+    # Qwen2.5-VL sees the input at 1184x896, 42x32 merged 28-pixel patches, before the instruction: a cut at
+    # 1,024 tokens would keep vision tokens only.
+    assert vision == 1344 and given.shape[0] > vision + len(INSTRUCTION)
     assert payload["prompt_embeddings"].shape == given.shape
     assert torch.equal(payload["prompt_embeddings"], given)
     assert torch.equal(payload["prompt_attention_mask"], torch.ones(given.shape[0], dtype=torch.int64))
@@ -186,9 +188,9 @@ def test_the_shipped_qwen_config_keeps_every_token_the_plus_pipeline_gives_for_t
     assert cache_main([*args, *encoder, *exact, *small]) == 0
     payload = load_payload(tmp_path / "cache" / "samples" / "sample_00000000.pt", "sample 0")
     conditions = [Image.open(tmp_path / "raw" / "images" / f"0_cond{i}.png") for i in range(3)]
-    given = what_the_qwen_pipeline_gives(plus_path, INSTRUCTION, conditions)
+    given, vision = what_the_qwen_pipeline_gives(plus_path, INSTRUCTION, conditions)
     # At 384x384 pixels the conditions are 176, 176 and 196 vision tokens: together past NeMo's 512.
-    assert given.shape[0] > 548 + len(INSTRUCTION) > 512
+    assert vision == 548 and given.shape[0] > vision + len(INSTRUCTION)
     assert payload["prompt_embeddings"].shape == given.shape
     assert torch.equal(payload["prompt_embeddings"], given)
     assert payload["metadata"]["text_token_length"] == given.shape[0]
@@ -209,7 +211,7 @@ def test_a_qwen_prompt_cap_that_cuts_warns_for_each_sample_records_the_cut_and_n
             cache, manifest, QWEN, plus_path, "--encoder.torch_dtype", "float32", "--encoder.max_sequence_length", "512"
         )
     conditions = [Image.open(tmp_path / "raw" / "images" / f"1_cond{i}.png") for i in range(3)]
-    given = what_the_qwen_pipeline_gives(plus_path, INSTRUCTION, conditions)
+    given, _ = what_the_qwen_pipeline_gives(plus_path, INSTRUCTION, conditions)
     tokens = given.shape[0]
     messages = [str(w.message) for w in caught if w.category is PromptTruncationWarning]
     assert messages == [
@@ -453,9 +455,10 @@ def test_torchrun_with_two_ranks_builds_the_same_pipeline_cache_as_one_process(t
     cache = tmp_path / "two"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     args = pipeline_args(cache, manifest, qwen_path, "--poll-interval", "0.1")
-    done = subprocess.run(
-        [*torchrun, str(CLI_SCRIPT), *args], env=cli_env(), capture_output=True, text=True, timeout=300
-    )
+    # torchrun gives each rank one thread unless told; the one-process build below runs with this process's
+    # threads, and a different thread count may change the last float32 bit of Qwen2.5-VL's output.
+    env = cli_env(OMP_NUM_THREADS=str(torch.get_num_threads()))
+    done = subprocess.run([*torchrun, str(CLI_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1/2: wrote 4 payloads" in done.stdout and "8 samples in 1 index shard(s)" in done.stdout
     assert sorted(p.name for p in (cache / "progress").glob("rank-*.jsonl")) == ["rank-00000.jsonl", "rank-00001.jsonl"]
