@@ -22,6 +22,7 @@ from _build_helpers import (
 
 from image_edit_data import ImageEditDataModule, ImageEditDataset
 from image_edit_data.cache.build import BuildOptions, build_cache
+from image_edit_data.cache.encoders import PromptTruncationWarning, Truncation
 from image_edit_data.cache.hf_encoders import DiffusersVAEEncoder, TransformersTextEncoder
 from image_edit_data.cache.hf_source import HFDatasetSource
 from image_edit_data.cache.resize import ResizePolicy, to_pixels
@@ -205,8 +206,17 @@ def test_text_encoder_keeps_only_real_tokens_unless_asked_to_pad(tmp_path: Path)
     embeddings, mask = padded[0]
     assert tuple(embeddings.shape) == (8, 16) and mask.tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
     assert float(embeddings[3:].abs().sum()) == 0.0
-    cut = TransformersTextEncoder(path, max_sequence_length=2).encode(["make the sky red"])
-    assert tuple(cut[0][0].shape) == (2, 16)
+
+
+def test_the_text_encoder_reports_every_prompt_it_cuts(tmp_path: Path) -> None:
+    encoder = TransformersTextEncoder(str(tiny_text_model(tmp_path / "text")), max_sequence_length=3)
+    long, short = encoder.encode_prompts(["make the sky red", "add a cat"], [(), ()])
+    assert tuple(long.embeddings.shape) == (3, 16) and tuple(short.embeddings.shape) == (3, 16)
+    assert long.truncations == (Truncation("BertModel", 4, 3, "max_sequence_length 3"),)
+    assert short.truncations == ()
+    with pytest.warns(PromptTruncationWarning, match=r"prompt 'make the sky red': BertModel kept 3 of 4 tokens"):
+        ((embeddings, _),) = encoder.encode(["make the sky red"])
+    assert tuple(embeddings.shape) == (3, 16)
 
 
 def test_a_pipeline_directory_is_read_through_subfolders(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from ..contract.signature import Signature
 from ..payload.payload import PayloadFormat, save_payload
+from .encoders import Truncation
 from .sources import SourceRecord
 
 StoreDtype = Literal["float32", "bfloat16", "float16"]
@@ -50,6 +51,7 @@ class EncodedSample:
     prompt_attention_mask: torch.Tensor  # [S]
     original_pixel_shapes: Mapping[str, Any]  # {"target": [H, W], "contexts": [[h, w], ...]} before resizing
     conditioning: Mapping[str, torch.Tensor] = field(default_factory=dict)  # named, any shape
+    prompt_truncations: tuple[Truncation, ...] = ()  # what a length limit cut from the prompt
 
 
 def assemble(
@@ -80,6 +82,8 @@ def assemble(
         "media": [dict(m) for m in sample.source.media],
         "original_pixel_shapes": dict(sample.original_pixel_shapes),
     }
+    if sample.prompt_truncations:  # only on cut prompts, so other payloads keep NeMo's metadata keys
+        metadata["prompt_truncation"] = [t.to_json() for t in sample.prompt_truncations]
     payload = {
         "target_latent": sample.target_latent.to(dtype).contiguous(),
         "context_latents": [c.to(dtype).contiguous() for c in sample.context_latents],
