@@ -299,3 +299,20 @@ def test_a_stored_index_without_the_checksums_its_manifest_declares_is_parsed_ag
     again = open_index(copy)
     assert again.member_checksum is not None and index.member_checksum is not None
     assert np.array_equal(again.member_checksum, index.member_checksum)
+
+
+def test_an_unknown_checksum_algorithm_or_a_malformed_checksum_is_refused_when_the_index_loads(
+    packed: Path, tmp_path: Path
+) -> None:
+    copy = copy_cache(packed, tmp_path / "copy")
+    manifest = json.loads((copy / "metadata.json").read_text())
+    (copy / "metadata.json").write_text(json.dumps({**manifest, "member_checksum": "md5"}))
+    with pytest.raises(CacheFormatError, match=r"metadata.json: member_checksum: expected 'xxh3_64' .* got 'md5'"):
+        ImageEditDataset(copy, use_index_store=False)
+    (copy / "metadata.json").write_text(json.dumps(manifest))
+    records = json.loads((copy / "metadata_shard_0000.json").read_text())
+    records[3]["xxh3_64"] = "not hex"
+    (copy / "metadata_shard_0000.json").write_text(json.dumps(records))
+    pattern = r"metadata_shard_0000.json: \[3\].xxh3_64: expected 16 lowercase hex digits, got 'not hex'"
+    with pytest.raises(CacheFormatError, match=pattern):
+        ImageEditDataset(copy, use_index_store=False)

@@ -15,7 +15,7 @@ Offsets and lengths are JSON integers, kept as int64 (shards beyond 4 GiB are fi
 checksum is XXH3-64 of the member's bytes, written as hex (JSON numbers lose digits past 2**53)
 and kept as uint64; a reader hashes the bytes it already has for a sample and compares. Caches
 packed before checksums have no `member_checksum` key and no `xxh3_64` fields: they read as
-before, with nothing to compare. This module does no I/O.
+before, with nothing to compare.
 """
 
 from __future__ import annotations
