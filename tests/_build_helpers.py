@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,12 +171,26 @@ def cli_command(*args: str) -> list[str]:
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment for CLI subprocesses: offline, this test directory importable."""
+    """The environment for CLI subprocesses: offline, this test directory importable, one torch thread."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     env["HF_HUB_OFFLINE"] = "1"
+    # Float results are bit-identical across processes only at the same thread count (reductions split by
+    # thread): tests compare these builds bit for bit with in-process ones run under `torch_threads(1)`.
+    env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the body with `count` torch threads, then restore the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
