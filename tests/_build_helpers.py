@@ -164,6 +164,22 @@ class SlowDemoImageEncoder(DemoImageEncoder):
         return super().encode(images)
 
 
+class InterruptedImageEncoder(DemoImageEncoder):
+    """The demo image encoder, raising in its `fail_at`-th call (when set): a build stopped mid-way, same settings."""
+
+    fail_at: int | None = None  # a test sets it on the class, so the encoder spec (the build settings) stays the same
+
+    def __init__(self, latent_channels: int = 4) -> None:
+        super().__init__(latent_channels)
+        self.calls = 0
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(f"stopped in encode call {self.calls}")
+        return super().encode(images)
+
+
 def cli_command(*args: str) -> list[str]:
     """`image-edit-data cache ...` run through `cache_main` in a fresh interpreter."""
     code = "import sys; from image_edit_data.cache.cli import cache_main; sys.exit(cache_main(sys.argv[1:]))"
