@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _build_helpers import cli_env, drawing, index_files, png_bytes, write_lines, write_parquet
+from _build_helpers import cli_env, drawing, index_files, png_bytes, torch_threads, write_lines, write_parquet
 from _pipeline_helpers import (
     CLIP_HIDDEN,
     KONTEXT,
@@ -445,7 +445,8 @@ def test_a_killed_pipeline_build_rerun_equals_an_uninterrupted_one(tmp_path: Pat
     rerun = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"wrote {12 - done} payloads ({done} of 12 already done)" in rerun.stdout
-    assert cache_main(pipeline_args(tmp_path / "reference", manifest, qwen_path)) == 0
+    with torch_threads(1):  # as cli_env runs the CLI, so the floats may be compared bit for bit
+        assert cache_main(pipeline_args(tmp_path / "reference", manifest, qwen_path)) == 0
     assert_same_payloads(cache, tmp_path / "reference")
 
 
@@ -455,14 +456,13 @@ def test_torchrun_with_two_ranks_builds_the_same_pipeline_cache_as_one_process(t
     cache = tmp_path / "two"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     args = pipeline_args(cache, manifest, qwen_path, "--poll-interval", "0.1")
-    # torchrun gives each rank one thread unless told; the one-process build below runs with this process's
-    # threads, and a different thread count may change the last float32 bit of Qwen2.5-VL's output.
-    env = cli_env(OMP_NUM_THREADS=str(torch.get_num_threads()))
-    done = subprocess.run([*torchrun, str(CLI_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=300)
+    command = [*torchrun, str(CLI_SCRIPT), *args]
+    done = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1/2: wrote 4 payloads" in done.stdout and "8 samples in 1 index shard(s)" in done.stdout
     assert sorted(p.name for p in (cache / "progress").glob("rank-*.jsonl")) == ["rank-00000.jsonl", "rank-00001.jsonl"]
-    assert cache_main(pipeline_args(tmp_path / "one", manifest, qwen_path)) == 0
+    with torch_threads(1):  # as cli_env (and torchrun) run the ranks, so the floats may be compared bit for bit
+        assert cache_main(pipeline_args(tmp_path / "one", manifest, qwen_path)) == 0
     assert_same_payloads(cache, tmp_path / "one")
 
 

@@ -25,8 +25,8 @@ from .encoders import ImageEncoder, PromptEncoder, PromptTruncationWarning, Text
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .resize import ResizePolicy
-from .sources import BadSampleError, EditSource
-from .writer import EncodedSample, StoreDtype, payload_name, remove_stale_temporaries, write_sample
+from .sources import BadSampleError, EditSource, row_index_of
+from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
 
 WINDOW_BATCHES = 4
 # Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
@@ -158,7 +158,7 @@ def build_cache(
     done, written, skipped, truncated = 0, 0, Counter[str](), 0
     if not merge_only:
         clear_failure(root, rank)
-        if remove_stale_temporaries(root, rank, world_size):
+        if remove_stale_temporaries(root, {row_index_of(source, p) for p in mine}):
             say("removed temporary files left by an interrupted run")
         try:
             done, written, skipped, truncated = _encode_slice(
@@ -203,9 +203,7 @@ def _encode_slice(
     truncated prompts)."""
     entries = JournalReader(root).refresh()
     redo = {
-        p
-        for p in mine
-        if "record" in entries.get(p, {}) and not (root / payload_name(p, options.payload_format)).is_file()
+        p for p in mine if "record" in entries.get(p, {}) and not (root / entries[p]["record"]["cache_file"]).is_file()
     }
     if redo:
         say(f"{len(redo)} journaled payloads are missing on disk and will be encoded again")
@@ -251,14 +249,12 @@ def _encode_slice(
                         encoded,
                     )
                 )
-                lines = [{"position": r["row_index"], "record": r} for r in records]
+                lines = [{"position": e.source.position, "record": r} for e, r in zip(encoded, records)]
                 for item, position in ((i, p) for i, p in zip(loaded, window) if isinstance(i, BadSampleError)):
                     skipped[item.kind] += 1
+                    problem = {"location": item.location, "kind": item.kind, "problem": item.problem}
                     lines.append(
-                        {
-                            "position": position,
-                            "skipped": {"location": item.location, "kind": item.kind, "problem": item.problem},
-                        }
+                        {"position": position, "skipped": {"row_index": row_index_of(source, position), **problem}}
                     )
                 journal.append(sorted(lines, key=lambda line: line["position"]))
                 finished += len(window)
