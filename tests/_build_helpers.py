@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,22 @@ class SlowDemoImageEncoder(DemoImageEncoder):
         return super().encode(images)
 
 
+class InterruptedImageEncoder(DemoImageEncoder):
+    """The demo image encoder, raising in its `fail_at`-th call (when set): a build stopped mid-way, same settings."""
+
+    fail_at: int | None = None  # a test sets it on the class, so the encoder spec (the build settings) stays the same
+
+    def __init__(self, latent_channels: int = 4) -> None:
+        super().__init__(latent_channels)
+        self.calls = 0
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(f"stopped in encode call {self.calls}")
+        return super().encode(images)
+
+
 def cli_command(*args: str) -> list[str]:
     """`image-edit-data cache ...` run through `cache_main` in a fresh interpreter."""
     code = "import sys; from image_edit_data.cache.cli import cache_main; sys.exit(cache_main(sys.argv[1:]))"
@@ -170,12 +187,26 @@ def cli_command(*args: str) -> list[str]:
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment for CLI subprocesses: offline, this test directory importable."""
+    """The environment for CLI subprocesses: offline, this test directory importable, one torch thread."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     env["HF_HUB_OFFLINE"] = "1"
+    # Float results are bit-identical across processes only at the same thread count (reductions split by
+    # thread): tests compare these builds bit for bit with in-process ones run under `torch_threads(1)`.
+    env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the body with `count` torch threads, then restore the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

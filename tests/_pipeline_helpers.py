@@ -31,6 +31,9 @@ QWEN_SPECIALS = [
     "<|video_pad|>",
 ]
 QWEN_HIDDEN = 32
+# Qwen2.5-VL's own image processor budget (the released processor/preprocessor_config.json): a 1024 x 1024
+# condition keeps its size, about 1,300 vision tokens.
+QWEN_VL_PIXELS = (56 * 56, 28 * 28 * 16384)
 T5_HIDDEN = 16
 CLIP_HIDDEN = 24
 
@@ -141,14 +144,22 @@ def qwen_vae() -> Any:
     )
 
 
-def qwen_image_edit_pipeline(path: Path, plus: bool = True, parts: tuple[str, ...] = ("vae", "text")) -> Path:
-    """Save a tiny QwenImageEdit(Plus)Pipeline without its transformer; `parts` leaves out the VAE or text side."""
+def qwen_image_edit_pipeline(
+    path: Path,
+    plus: bool = True,
+    parts: tuple[str, ...] = ("vae", "text"),
+    vision_pixels: tuple[int, int] = (56 * 56, 112 * 112),
+) -> Path:
+    """Save a tiny QwenImageEdit(Plus)Pipeline without its transformer; `parts` leaves out the VAE or text side.
+
+    `vision_pixels` is the (min, max) pixel budget of Qwen2.5-VL's image processor: by default small, so the
+    vision tower sees 4x4 tokens; `QWEN_VL_PIXELS` is the released model's, which sees the image as given.
+    """
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
     from transformers import Qwen2VLImageProcessorPil
 
     tokenizer = qwen_tokenizer()
-    # A small pixel budget keeps the vision tower's token count low (the 384^2 condition becomes 4x4 tokens).
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=vision_pixels[0], max_pixels=vision_pixels[1])
     processor = ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
     pipeline_class = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
     has_text = "text" in parts

@@ -10,18 +10,22 @@ import pytest
 import torch
 from _build_helpers import (
     DEMO_SPECS,
+    InterruptedImageEncoder,
     drawing,
     hf_specs,
     index_files,
     parquet_rows,
     tiny_text_model,
     tiny_vae,
+    write_lines,
     write_manifest,
     write_parquet,
 )
+from cachefactory import same_samples
 
 from image_edit_data import ImageEditDataModule, ImageEditDataset
 from image_edit_data.cache.build import BuildOptions, build_cache
+from image_edit_data.cache.encoders import PromptTruncationWarning, Truncation
 from image_edit_data.cache.hf_encoders import DiffusersVAEEncoder, TransformersTextEncoder
 from image_edit_data.cache.hf_source import HFDatasetSource
 from image_edit_data.cache.resize import ResizePolicy, to_pixels
@@ -144,6 +148,35 @@ def test_index_order_follows_the_source_not_the_batch_size(tmp_path: Path, manif
     assert [r["row_index"] for r in records] == list(range(20))
 
 
+def test_a_stopped_build_rerun_equals_an_uninterrupted_one_when_row_indices_are_not_positions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = write_manifest(tmp_path / "raw", rows=12)
+    lines = [json.loads(line) for line in manifest.read_text().splitlines()]
+    for position, line in enumerate(lines):
+        line["metadata"]["row_index"] = 5 * (len(lines) - position)  # 60, 55, ..., 5: gaps, and backwards
+    source = JsonlManifestSource(write_lines(manifest, lines))
+    specs = ({"class_path": "_build_helpers.InterruptedImageEncoder", "init_args": {}}, DEMO_SPECS[1])
+    # One image per encoder call, so the samples a rerun encodes again meet the same kernels as before.
+    options = BuildOptions(resize=RESIZE, batch_size=1)
+    cache = tmp_path / "stopped"
+    monkeypatch.setattr(InterruptedImageEncoder, "fail_at", 12)  # in the second window of 4 samples
+    with pytest.raises(RuntimeError, match="stopped in encode call 12"):
+        build_cache(cache, source, *specs, options)
+    assert sorted(p.name for p in (cache / "samples").iterdir()) == [f"sample_{r:08d}.pt" for r in (45, 50, 55, 60)]
+    # What a kill leaves besides: a payload temporary of an unfinished sample, and a journaled payload lost.
+    (cache / "samples" / ".sample_00000040.pt.abc123.tmp").write_bytes(b"half a payload")
+    (cache / "samples" / "sample_00000055.pt").unlink()
+    monkeypatch.setattr(InterruptedImageEncoder, "fail_at", None)
+    report = build_cache(cache, source, *specs, options)
+    assert (report.already_done, report.written) == (3, 9)
+    assert not list((cache / "samples").glob(".*.tmp"))
+    build_cache(tmp_path / "whole", source, *specs, options)
+    assert index_files(cache) == index_files(tmp_path / "whole")
+    same_samples(ImageEditDataset(cache), ImageEditDataset(tmp_path / "whole"))
+    assert [ImageEditDataset(cache)[i]["metadata"]["row_index"] for i in range(12)] == list(range(5, 61, 5))
+
+
 def test_shards_split_the_index_in_source_order(tmp_path: Path, manifest: Path) -> None:
     build_cache(tmp_path / "c", JsonlManifestSource(manifest), *DEMO_SPECS, BuildOptions(resize=RESIZE, shard_size=6))
     manifest_json = json.loads((tmp_path / "c" / "metadata.json").read_text())
@@ -205,8 +238,17 @@ def test_text_encoder_keeps_only_real_tokens_unless_asked_to_pad(tmp_path: Path)
     embeddings, mask = padded[0]
     assert tuple(embeddings.shape) == (8, 16) and mask.tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
     assert float(embeddings[3:].abs().sum()) == 0.0
-    cut = TransformersTextEncoder(path, max_sequence_length=2).encode(["make the sky red"])
-    assert tuple(cut[0][0].shape) == (2, 16)
+
+
+def test_the_text_encoder_reports_every_prompt_it_cuts(tmp_path: Path) -> None:
+    encoder = TransformersTextEncoder(str(tiny_text_model(tmp_path / "text")), max_sequence_length=3)
+    long, short = encoder.encode_prompts(["make the sky red", "add a cat"], [(), ()])
+    assert tuple(long.embeddings.shape) == (3, 16) and tuple(short.embeddings.shape) == (3, 16)
+    assert long.truncations == (Truncation("BertModel", 4, 3, "max_sequence_length 3"),)
+    assert short.truncations == ()
+    with pytest.warns(PromptTruncationWarning, match=r"prompt 'make the sky red': BertModel kept 3 of 4 tokens"):
+        ((embeddings, _),) = encoder.encode(["make the sky red"])
+    assert tuple(embeddings.shape) == (3, 16)
 
 
 def test_a_pipeline_directory_is_read_through_subfolders(tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -10,14 +13,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from cachefactory import same_samples, tiny_cache
+from packedcopies import copy_cache, drop_local_checksums, flip_member_byte, sample_in_shard
 
 from image_edit_data.cache.cli import cache_main
 from image_edit_data.cache.pack import pack_cache
 from image_edit_data.contract.validate import CacheFormatError
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.index.index import CacheIndex
-from image_edit_data.index.store import open_index
+from image_edit_data.index.store import open_index, serialize
 from image_edit_data.loader import ImageEditDataloaderConfig
 from image_edit_data.sampling.plan import plan_epoch
 from image_edit_data.sampling.sampler import BucketBatchSampler, ResumeMismatchError
@@ -151,6 +156,8 @@ def test_a_stored_packed_index_reopens_with_the_same_members(packed: Path) -> No
     assert second.fingerprint == first.fingerprint and second.shards == first.shards
     assert second.member_offset is not None and first.member_offset is not None
     assert np.array_equal(second.member_offset, first.member_offset)
+    assert second.member_checksum is not None and first.member_checksum is not None
+    assert np.array_equal(second.member_checksum, first.member_checksum)
 
 
 def test_a_shard_local_shuffle_is_a_pure_function_that_keeps_windows_of_shards_together(packed: Path) -> None:
@@ -208,3 +215,104 @@ def test_a_file_url_reads_as_the_local_directory(packed: Path) -> None:
     local, url = ImageEditDataset(packed), ImageEditDataset(f"file://{packed}")
     assert url.reader is not None and url.reader.store is None  # read in place, no fsspec round trip
     assert torch.equal(url[4]["target_latent"], local[4]["target_latent"])
+
+
+def test_every_record_carries_the_xxh3_64_of_its_member_bytes(packed: Path) -> None:
+    assert json.loads((packed / "metadata.json").read_text())["member_checksum"] == "xxh3_64"
+    index = open_index(packed, use_store=False)
+    assert index.member_checksum is not None and index.member_checksum.dtype == np.uint64
+    for i in range(len(index)):
+        number, offset, length = index.member(i)
+        data = (packed / index.shards[number].path).read_bytes()[offset : offset + length]
+        assert index.checksum(i) == xxhash.xxh3_64_intdigest(data)
+
+
+def test_a_flipped_byte_inside_a_member_is_refused_naming_shard_member_and_both_checksums(
+    packed: Path, tmp_path: Path
+) -> None:
+    copy = copy_cache(packed, tmp_path / "copy")
+    victim, neighbour = sample_in_shard(copy, 0), sample_in_shard(copy, 0, skip=1)
+    shard, member, recorded, found = flip_member_byte(copy, victim)
+    dataset = ImageEditDataset(copy)
+    message = f"{shard}[{member}]: xxh3_64: member bytes hash to {found}, the index says {recorded}"
+    with pytest.raises(CacheFormatError, match=re.escape(message)):
+        dataset[victim]
+    assert torch.equal(dataset[neighbour]["target_latent"], ImageEditDataset(packed)[neighbour]["target_latent"])
+
+
+def test_validate_names_a_damaged_member_and_pack_does_not_copy_it(
+    packed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    copy = copy_cache(packed, tmp_path / "copy")
+    shard, member, recorded, found = flip_member_byte(copy, sample_in_shard(copy, 1))
+    assert cache_main(["validate", str(copy)]) == 1
+    shown = capsys.readouterr().out
+    assert "1 of 16 samples are bad" in shown and "member checksums: xxh3_64, checked on every read" in shown
+    assert f"{shard}[{member}]: xxh3_64: member bytes hash to {found}, the index says {recorded}" in shown
+    with pytest.raises(CacheFormatError, match=re.escape(f"[{member}]: xxh3_64: member bytes hash to {found}")):
+        pack_cache(copy, str(tmp_path / "repacked"), shard_bytes=8192)
+
+
+def test_pack_reads_each_shard_back_and_stops_at_a_member_written_wrong(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = tarfile.TarFile.addfile
+
+    def damaging(self: tarfile.TarFile, info: tarfile.TarInfo, fileobj: Any = None) -> None:
+        data = bytearray(fileobj.read())
+        data[-10] ^= 0x01  # what a faulty write path would leave on disk
+        write(self, info, io.BytesIO(bytes(data)))
+
+    monkeypatch.setattr(tarfile.TarFile, "addfile", damaging)
+    pattern = r"b0000-000000\.tar\[samples/sample_\d+\.safetensors\]: xxh3_64: member bytes hash to [0-9a-f]{16}, "
+    with pytest.raises(CacheFormatError, match=pattern + r"the index says [0-9a-f]{16} \(as written by this pack"):
+        pack_cache(source, str(tmp_path / "cache"), shard_bytes=8192)
+    assert not (tmp_path / "cache" / "metadata.json").exists()
+
+
+def test_a_cache_packed_before_checksums_reads_as_before_and_validate_says_it_has_none(
+    packed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = drop_local_checksums(copy_cache(packed, tmp_path / "old"))
+    dataset = ImageEditDataset(old)
+    assert dataset.index.packed and dataset.index.member_checksum is None
+    same_samples(ImageEditDataset(packed), dataset)
+    pack_cache(old, str(tmp_path / "repacked"), shard_bytes=8192)  # adds the checksums
+    repacked = ImageEditDataset(tmp_path / "repacked")
+    assert repacked.index.member_checksum is not None and repacked.index.shards == dataset.index.shards
+    # Checksums are not part of the data fingerprint: a run on the old cache resumes on its repack.
+    assert repacked.index.fingerprint == dataset.index.fingerprint
+    assert cache_main(["validate", str(old)]) == 0
+    shown = capsys.readouterr().out
+    assert "ok: 16 samples" in shown and "member checksums: none (packed before they existed)" in shown
+    assert cache_main(["inspect", str(old)]) == 0
+    assert "member checksums: none (packed before them)" in capsys.readouterr().out
+
+
+def test_a_stored_index_without_the_checksums_its_manifest_declares_is_parsed_again(
+    packed: Path, tmp_path: Path
+) -> None:
+    copy = copy_cache(packed, tmp_path / "copy")
+    index = open_index(copy)
+    (stored,) = (copy / ".image_edit_data").glob("index-*.npz")
+    stored.write_bytes(serialize(dataclasses.replace(index, member_checksum=None)))  # as older code stored it
+    again = open_index(copy)
+    assert again.member_checksum is not None and index.member_checksum is not None
+    assert np.array_equal(again.member_checksum, index.member_checksum)
+
+
+def test_an_unknown_checksum_algorithm_or_a_malformed_checksum_is_refused_when_the_index_loads(
+    packed: Path, tmp_path: Path
+) -> None:
+    copy = copy_cache(packed, tmp_path / "copy")
+    manifest = json.loads((copy / "metadata.json").read_text())
+    (copy / "metadata.json").write_text(json.dumps({**manifest, "member_checksum": "md5"}))
+    with pytest.raises(CacheFormatError, match=r"metadata.json: member_checksum: expected 'xxh3_64' .* got 'md5'"):
+        ImageEditDataset(copy, use_index_store=False)
+    (copy / "metadata.json").write_text(json.dumps(manifest))
+    records = json.loads((copy / "metadata_shard_0000.json").read_text())
+    records[3]["xxh3_64"] = "not hex"
+    (copy / "metadata_shard_0000.json").write_text(json.dumps(records))
+    pattern = r"metadata_shard_0000.json: \[3\].xxh3_64: expected 16 lowercase hex digits, got 'not hex'"
+    with pytest.raises(CacheFormatError, match=pattern):
+        ImageEditDataset(copy, use_index_store=False)

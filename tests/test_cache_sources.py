@@ -82,6 +82,10 @@ BAD_LINES = [
     ),
     (entry(0), "line 2: id: 's000' is already used on line 1"),
     (entry(1, metadata=[1]), "line 2: metadata: expected an object, got list"),
+    (entry(1, metadata={"row_index": "7"}), r"line 2: metadata.row_index: expected an integer >= 0, got '7'"),
+    (entry(1, metadata={"row_index": True}), r"line 2: metadata.row_index: expected an integer >= 0, got True"),
+    (entry(1, metadata={"row_index": -1}), r"line 2: metadata.row_index: expected an integer >= 0, got -1"),
+    (entry(1, metadata={"row_index": 0}), r"line 2: metadata.row_index: 0 is already the row index of line 1"),
 ]
 
 
@@ -144,6 +148,31 @@ def test_skipped_bad_samples_are_counted_with_reasons(raw: Path, tmp_path: Path)
     assert [s["row_index"] for s in manifest["skipped_samples"]] == [1, 2, 4]
     assert manifest["skipped_samples"][2]["problem"] == "id: 's000' is already used on line 1"
     assert [ImageEditDataset(tmp_path / "cache")[i]["metadata"]["row_index"] for i in range(2)] == [0, 3]
+
+
+def test_metadata_row_index_names_the_payloads_and_orders_the_index_as_in_nemo(raw: Path, tmp_path: Path) -> None:
+    extra = {"role": "context", "file_name": "images/0_ref.png", "caption": "kept out of the payload"}
+    first = entry(0, metadata={"row_index": 7})
+    first["media"].append(extra)
+    lines = [first, entry(1, metadata={"row_index": 2}), entry(2, prompt="", metadata={"row_index": 5}), entry(3)]
+    build(JsonlManifestSource(write_lines(raw / "m.jsonl", lines)), tmp_path / "cache", on_bad_sample="skip")
+    index = json.loads((tmp_path / "cache" / "metadata_shard_0000.json").read_text())
+    # Line 4 gives no row index, so its position (3) is its row index.
+    assert [(r["row_index"], r["original_id"]) for r in index] == [(2, "s001"), (3, "s003"), (7, "s000")]
+    assert [r["cache_file"] for r in index] == [f"samples/sample_{i:08d}.pt" for i in (2, 3, 7)]
+    (skipped,) = json.loads((tmp_path / "cache" / "metadata.json").read_text())["skipped_samples"]
+    assert skipped["row_index"] == 5 and skipped["location"].endswith("m.jsonl line 3")
+    dataset = ImageEditDataset(tmp_path / "cache")
+    assert [dataset[i]["metadata"]["row_index"] for i in range(3)] == [2, 3, 7]
+    assert dataset[2]["metadata"]["media"][-1] == {"role": "context", "file_name": "images/0_ref.png"}
+
+
+def test_a_line_without_a_row_index_may_not_take_a_position_an_earlier_line_claimed(raw: Path) -> None:
+    source = JsonlManifestSource(write_lines(raw / "m.jsonl", [entry(0, metadata={"row_index": 1}), entry(1)]))
+    assert source.row_index(0) == 1
+    message = r"line 2: metadata.row_index: not given, so the position 1 is already the row index of line 1"
+    with pytest.raises(BadSampleError, match=message):
+        source.read(1)
 
 
 def test_a_stopped_build_resumes_with_skip_after_the_fix_is_chosen(raw: Path, tmp_path: Path) -> None:

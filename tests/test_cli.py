@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from image_edit_data.__main__ import main
+from image_edit_data.__main__ import COMMANDS, main
+from image_edit_data.cache.cli import cache_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -23,10 +24,17 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=600, env=env)
 
 
-def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_every_command_and_every_cache_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(word in out for word in ("fit", "cache build", "demo-cache"))
+    lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    # What the dispatch accepts, and the subcommands the real `cache` parser accepts (from its usage line).
+    commands = set(COMMANDS)
+    subcommands = re.search(r"\{([^}]*)\}", cache_parser().format_usage())
+    assert subcommands is not None and {"build", "convert", "pack"} <= set(subcommands[1].split(","))
+    assert {"fit", "cache", "demo-cache", "bench"} <= commands
+    assert commands <= {words[0] for words in lines}, out
+    assert {f"cache {name}" for name in subcommands[1].split(",")} <= {" ".join(words[:2]) for words in lines}, out
 
 
 def test_unknown_command_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
 from cachefactory import tiny_cache
+from packedcopies import flip_member_byte, sample_in_shard
 
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig
+from image_edit_data.cache.pack import pack_cache
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.payload.corrupt import TooManyCorruptSamplesError
 
@@ -109,3 +112,42 @@ def test_resume_stays_exact_with_skips(tmp_path: Path, num_workers: int) -> None
     second = config.build(dp_rank=0, dp_world_size=1, batch_size=2).dataloader
     second.load_state_dict(state)
     assert head + [b["metadata"]["sample_indices"] for b in second] == full
+
+
+def damaged_packed_cache(root: Path) -> tuple[Path, int, str]:
+    """A packed cache with one byte flipped inside a member: the cache, the sample and the member's display."""
+    packed = root / "packed"
+    pack_cache(tiny_cache(root / "source", counts=(12, 10, 8), suffix=".safetensors"), str(packed), shard_bytes=8192)
+    victim = sample_in_shard(packed, 1)
+    shard, member, _, _ = flip_member_byte(packed, victim)
+    return packed, victim, f"{shard}[{member}]"
+
+
+def test_skip_drops_and_quarantines_a_damaged_packed_member_and_resume_stays_exact(tmp_path: Path) -> None:
+    cache, victim, display = damaged_packed_cache(tmp_path)
+    config = loader(cache, on_corrupt_sample="skip", max_corrupt_fraction=0.5)
+    batches = epoch(config)
+    seen = [i for b in batches for i in b["metadata"]["sample_indices"]]
+    assert victim not in seen and len(seen) == len(set(seen))
+    (report,) = [s for b in batches for s in b["metadata"]["skipped_samples"]]
+    assert (report["index"], report["file"], report["field"]) == (victim, display, "xxh3_64")
+    assert "member bytes hash to" in report["reason"] and "the index says" in report["reason"]
+    (line,) = (cache / ".image_edit_data/quarantine.jsonl").read_text().splitlines()
+    assert json.loads(line)["file"] == display
+    first = config.build(dp_rank=0, dp_world_size=1, batch_size=2).dataloader
+    iterator = iter(first)
+    head = [next(iterator)["metadata"]["sample_indices"] for _ in range(6)]
+    state = first.state_dict()
+    del iterator
+    second = config.build(dp_rank=0, dp_world_size=1, batch_size=2).dataloader
+    second.load_state_dict(state)
+    assert head + [b["metadata"]["sample_indices"] for b in second] == [
+        b["metadata"]["sample_indices"] for b in batches
+    ]
+
+
+def test_raise_names_the_damaged_packed_member_and_both_checksums(tmp_path: Path) -> None:
+    cache, _, display = damaged_packed_cache(tmp_path)
+    pattern = rf"{re.escape(display)}: xxh3_64: member bytes hash to [0-9a-f]{{16}}, the index says [0-9a-f]{{16}}"
+    with pytest.raises(CacheFormatError, match=pattern):
+        epoch(loader(cache, drop_last=False))

@@ -14,18 +14,20 @@ from typing import Any
 
 import pytest
 import torch
-from _build_helpers import cli_env, drawing, index_files, png_bytes, write_lines, write_parquet
+from _build_helpers import cli_env, drawing, index_files, png_bytes, torch_threads, write_lines, write_parquet
 from _pipeline_helpers import (
     CLIP_HIDDEN,
     KONTEXT,
     QWEN,
     QWEN_HIDDEN,
+    QWEN_VL_PIXELS,
     T5_HIDDEN,
     build,
     edit_manifest,
     flux_kontext_pipeline,
     qwen_image_edit_pipeline,
 )
+from PIL import Image
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset
 from image_edit_data.cache.cli import cache_main
@@ -93,6 +95,181 @@ def test_the_first_qwen_image_edit_pipeline_looks_at_one_condition_at_1024_squar
     assert encoding.embeddings.shape[1] == QWEN_HIDDEN and bool(encoding.mask.all())
     with pytest.raises(ValueError, match=r"edit: QwenImageEditPipeline looks at exactly one condition image, got 2"):
         encoder.encode_prompts(["make the sky red"], [(image, image)])
+
+
+INSTRUCTION = "make the sky red and add a cat to the tree"
+
+
+@pytest.fixture(scope="module")
+def first_release_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny QwenImageEditPipeline whose Qwen2.5-VL processor keeps the released pixel budget."""
+    path = tmp_path_factory.mktemp("pipelines") / "qwen-image-edit"
+    return qwen_image_edit_pipeline(path, plus=False, vision_pixels=QWEN_VL_PIXELS)
+
+
+@pytest.fixture(scope="module")
+def plus_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny QwenImageEditPlusPipeline whose Qwen2.5-VL processor keeps the released pixel budget."""
+    return qwen_image_edit_pipeline(tmp_path_factory.mktemp("pipelines") / "plus", vision_pixels=QWEN_VL_PIXELS)
+
+
+def condition_manifest(root: Path, conditions: list[tuple[int, int]], rows: int = 1, prompt: str = INSTRUCTION) -> Path:
+    """`rows` edits whose condition images have the sizes `conditions` (targets and contexts are small)."""
+    images = root / "images"
+    images.mkdir(parents=True)
+    lines = []
+    for row in range(rows):
+        drawing((64, 48), row).save(images / f"{row}_tgt.png")
+        drawing((64, 48), row + 20).save(images / f"{row}_src.png")
+        media = [
+            {"role": "target", "file_name": f"images/{row}_tgt.png"},
+            {"role": "context", "file_name": f"images/{row}_src.png"},
+        ]
+        for i, size in enumerate(conditions):
+            drawing(size, row * 10 + i + 40).save(images / f"{row}_cond{i}.png")
+            media.append({"role": "condition", "file_name": f"images/{row}_cond{i}.png"})
+        lines.append({"id": f"e{row:02d}", "prompt": prompt, "media": media, "metadata": {}})
+    return write_lines(root / "edits.jsonl", lines)
+
+
+def what_the_qwen_pipeline_gives(path: Path, prompt: str, images: list[Image.Image]) -> tuple[torch.Tensor, int]:
+    """`encoder_hidden_states` `[S, D]` the pipeline's `__call__` gives its transformer for one prompt (its own
+    resize of the condition images: `calculate_dimensions` and the areas of its module, then `encode_prompt`),
+    and how many of the S are vision tokens."""
+    import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    class_name = json.loads((path / "model_index.json").read_text())["_class_name"]
+    pipeline = getattr(diffusers, class_name).from_pretrained(path, transformer=None, local_files_only=True)
+    if class_name == "QwenImageEditPipeline":
+        (image,) = images
+        width, height, _ = pipeline_qwenimage_edit.calculate_dimensions(1024 * 1024, image.width / image.height)
+        condition: Any = pipeline.image_processor.resize(image, height, width)
+    else:
+        area = pipeline_qwenimage_edit_plus.CONDITION_IMAGE_SIZE
+        condition = []
+        for image in images:
+            width, height = pipeline_qwenimage_edit_plus.calculate_dimensions(area, image.width / image.height)
+            condition.append(pipeline.image_processor.resize(image, height, width))
+    with torch.no_grad():  # as in __call__
+        embeddings, mask = pipeline.encode_prompt(prompt=[prompt], image=condition, device="cpu")
+    assert mask is None  # one prompt: every position is a real token
+    grids = pipeline.processor.image_processor(images=condition, return_tensors="pt")["image_grid_thw"]
+    return embeddings[0], int(grids.prod(dim=1).sum()) // 4  # 2x2 patches merge into one token
+
+
+def test_a_first_release_cache_keeps_every_token_the_pipeline_gives_for_a_1024x768_condition(
+    tmp_path: Path, first_release_path: Path
+) -> None:
+    manifest = condition_manifest(tmp_path / "raw", [(1024, 768)])
+    build(tmp_path / "cache", manifest, QWEN, first_release_path, "--encoder.torch_dtype", "float32")
+    payload = load_payload(tmp_path / "cache" / "samples" / "sample_00000000.pt", "sample 0")
+    condition = Image.open(tmp_path / "raw" / "images" / "0_cond0.png")
+    given, vision = what_the_qwen_pipeline_gives(first_release_path, INSTRUCTION, [condition])
+    # Qwen2.5-VL sees the input at 1184x896, 42x32 merged 28-pixel patches, before the instruction: a cut at
+    # 1,024 tokens would keep vision tokens only.
+    assert vision == 1344 and given.shape[0] > vision + len(INSTRUCTION)
+    assert payload["prompt_embeddings"].shape == given.shape
+    assert torch.equal(payload["prompt_embeddings"], given)
+    assert torch.equal(payload["prompt_attention_mask"], torch.ones(given.shape[0], dtype=torch.int64))
+    assert payload["metadata"]["text_token_length"] == given.shape[0]
+    assert "prompt_truncation" not in payload["metadata"]
+
+
+def test_the_shipped_qwen_config_keeps_every_token_the_plus_pipeline_gives_for_three_large_conditions(
+    tmp_path: Path, plus_path: Path
+) -> None:
+    manifest = condition_manifest(tmp_path / "raw", [(1024, 768), (768, 1024), (1024, 1024)])
+    config = Path(__file__).resolve().parents[1] / "configs" / "cache" / "qwen_image_edit.yaml"
+    encoder = ["--encoder.init_args.path", str(plus_path), "--encoder.init_args.device", "cpu"]
+    exact = ["--encoder.init_args.torch_dtype", "float32", "--store-dtype", "float32"]  # so equal means equal
+    small = ["--max-pixels", "4096", "--quiet"]
+    args = ["build", "--config", str(config), str(tmp_path / "cache"), "--manifest", str(manifest)]
+    assert cache_main([*args, *encoder, *exact, *small]) == 0
+    payload = load_payload(tmp_path / "cache" / "samples" / "sample_00000000.pt", "sample 0")
+    conditions = [Image.open(tmp_path / "raw" / "images" / f"0_cond{i}.png") for i in range(3)]
+    given, vision = what_the_qwen_pipeline_gives(plus_path, INSTRUCTION, conditions)
+    # At 384x384 pixels the conditions are 176, 176 and 196 vision tokens: together past NeMo's 512.
+    assert vision == 548 and given.shape[0] > vision + len(INSTRUCTION)
+    assert payload["prompt_embeddings"].shape == given.shape
+    assert torch.equal(payload["prompt_embeddings"], given)
+    assert payload["metadata"]["text_token_length"] == given.shape[0]
+    assert "prompt_truncation" not in payload["metadata"]
+
+
+def test_a_qwen_prompt_cap_that_cuts_warns_for_each_sample_records_the_cut_and_nemo_still_reads_the_cache(
+    tmp_path: Path, plus_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from nemo_automodel.components.datasets.diffusion.image_edit_dataset import ImageEditDataset as NemoDataset
+
+    from image_edit_data.cache.encoders import PromptTruncationWarning
+
+    manifest = condition_manifest(tmp_path / "raw", [(1024, 768), (768, 1024), (1024, 1024)], rows=2)
+    cache = tmp_path / "cache"
+    with pytest.warns(PromptTruncationWarning) as caught:
+        build(
+            cache, manifest, QWEN, plus_path, "--encoder.torch_dtype", "float32", "--encoder.max_sequence_length", "512"
+        )
+    conditions = [Image.open(tmp_path / "raw" / "images" / f"1_cond{i}.png") for i in range(3)]
+    given, _ = what_the_qwen_pipeline_gives(plus_path, INSTRUCTION, conditions)
+    tokens = given.shape[0]
+    messages = [str(w.message) for w in caught if w.category is PromptTruncationWarning]
+    assert messages == [
+        f"{manifest} line {row + 1} (id 'e0{row}'): prompt cut: Qwen2.5-VL kept 512 of {tokens} tokens "
+        f"(max_sequence_length 512); the dropped tokens are the end of the prompt. Recorded in the payload's "
+        f"metadata.prompt_truncation (prompt {row + 1} cut by this rank)"
+        for row in range(2)
+    ]
+    assert "2 of the 2 prompts were cut by a length limit" in capsys.readouterr().out
+    payload = load_payload(cache / "samples" / "sample_00000001.pt", "sample 1")
+    assert torch.equal(payload["prompt_embeddings"], given[:512])  # the pipeline's first 512 tokens
+    assert payload["metadata"]["text_token_length"] == 512
+    record = {"encoder": "Qwen2.5-VL", "tokens": tokens, "kept": 512, "cause": "max_sequence_length 512"}
+    assert payload["metadata"]["prompt_truncation"] == [record]
+    assert ImageEditDataset(cache)[1]["metadata"]["prompt_truncation"] == [record]
+    nemo = NemoDataset(str(cache))[1]
+    assert torch.equal(nemo["prompt_embeddings"], payload["prompt_embeddings"])
+
+
+def test_a_kontext_cache_is_cut_where_the_pipeline_cuts_and_says_so(tmp_path: Path, kontext_path: Path) -> None:
+    from diffusers import FluxKontextPipeline
+
+    from image_edit_data.cache.encoders import PromptTruncationWarning
+
+    prompt = "make the sky red and add a cat to the tree to the dog"  # 14 words; "and" is unknown to both vocabularies
+    manifest = condition_manifest(tmp_path / "raw", [], prompt=prompt)
+    with pytest.warns(
+        PromptTruncationWarning,
+        match=r"line 1 \(id 'e00'\): prompt cut: T5 kept 8 of 14 tokens "
+        r"\(the pipeline's max_sequence_length 8\); CLIP kept 8 of 14 tokens \(CLIP's tokenizer limit 8\)",
+    ):
+        build(
+            tmp_path / "cache",
+            manifest,
+            KONTEXT,
+            kontext_path,
+            "--encoder.torch_dtype",
+            "float32",
+            "--encoder.max_sequence_length",
+            "8",
+        )
+    pipeline = FluxKontextPipeline.from_pretrained(kontext_path, transformer=None, local_files_only=True)
+    with torch.no_grad():  # as in __call__ (with autograd on, T5 differs in the last float32 bit)
+        embeddings, pooled, _ = pipeline.encode_prompt([prompt], None, device="cpu", max_sequence_length=8)
+    payload = load_payload(tmp_path / "cache" / "samples" / "sample_00000000.pt", "sample 0")
+    assert torch.equal(payload["prompt_embeddings"], embeddings[0])
+    assert torch.equal(payload["conditioning_tensors"]["pooled_prompt_embeds"], pooled[0])
+    assert payload["metadata"]["prompt_truncation"] == [
+        {"encoder": "T5", "tokens": 14, "kept": 8, "cause": "the pipeline's max_sequence_length 8"},
+        {"encoder": "CLIP", "tokens": 14, "kept": 8, "cause": "CLIP's tokenizer limit 8"},
+    ]
+
+
+def test_a_kontext_prompt_length_the_pipeline_refuses_is_refused_before_loading(tmp_path: Path) -> None:
+    from image_edit_data.cache.pipelines import FluxKontextEncoder
+
+    with pytest.raises(ValueError, match=r"max_sequence_length: FluxKontextPipeline takes 1 to 512 T5 tokens, got 513"):
+        FluxKontextEncoder(str(tmp_path / "not-loaded"), max_sequence_length=513)
 
 
 def test_a_kontext_cache_stores_the_pooled_clip_embedding_as_conditioning(tmp_path: Path, kontext_path: Path) -> None:
@@ -268,7 +445,8 @@ def test_a_killed_pipeline_build_rerun_equals_an_uninterrupted_one(tmp_path: Pat
     rerun = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert f"wrote {12 - done} payloads ({done} of 12 already done)" in rerun.stdout
-    assert cache_main(pipeline_args(tmp_path / "reference", manifest, qwen_path)) == 0
+    with torch_threads(1):  # as cli_env runs the CLI, so the floats may be compared bit for bit
+        assert cache_main(pipeline_args(tmp_path / "reference", manifest, qwen_path)) == 0
     assert_same_payloads(cache, tmp_path / "reference")
 
 
@@ -278,13 +456,13 @@ def test_torchrun_with_two_ranks_builds_the_same_pipeline_cache_as_one_process(t
     cache = tmp_path / "two"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     args = pipeline_args(cache, manifest, qwen_path, "--poll-interval", "0.1")
-    done = subprocess.run(
-        [*torchrun, str(CLI_SCRIPT), *args], env=cli_env(), capture_output=True, text=True, timeout=300
-    )
+    command = [*torchrun, str(CLI_SCRIPT), *args]
+    done = subprocess.run(command, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rank 1/2: wrote 4 payloads" in done.stdout and "8 samples in 1 index shard(s)" in done.stdout
     assert sorted(p.name for p in (cache / "progress").glob("rank-*.jsonl")) == ["rank-00000.jsonl", "rank-00001.jsonl"]
-    assert cache_main(pipeline_args(tmp_path / "one", manifest, qwen_path)) == 0
+    with torch_threads(1):  # as cli_env (and torchrun) run the ranks, so the floats may be compared bit for bit
+        assert cache_main(pipeline_args(tmp_path / "one", manifest, qwen_path)) == 0
     assert_same_payloads(cache, tmp_path / "one")
 
 

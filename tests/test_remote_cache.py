@@ -7,8 +7,11 @@ checkpoint resumes exactly from it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +19,12 @@ from typing import Any
 
 import fsspec
 import pytest
+import xxhash
 import yaml
 from cachefactory import tiny_cache
 from fit_harness import FitOptions, SimulatedKill, fit
 from fsspec.implementations.local import LocalFileSystem
+from packedcopies import drop_checksums
 from process_group import run_process_group
 from s3server import make_bucket, moto_server
 
@@ -27,6 +32,7 @@ from image_edit_data.__main__ import main
 from image_edit_data.cache.cli import cache_main
 from image_edit_data.cache.pack import pack_cache
 from image_edit_data.dataset import ImageEditDataset
+from image_edit_data.errors import CacheFormatError
 from image_edit_data.loader import ImageEditDataloaderConfig
 from image_edit_data.storage.location import open_location
 from image_edit_data.storage.remote import RemoteError, RemoteStore, RetryPolicy
@@ -145,7 +151,8 @@ def test_a_truncated_or_replaced_shard_is_refused_and_leaves_nothing_in_the_loca
         cache.fetch(0)
     with pytest.raises(ValueError, match=rf"{url}/{second.path}: sha256: shard hashes to"):
         cache.fetch(1)
-    assert [p.name for p in (tmp_path / "shards").iterdir() if p.suffix != ".pin"] == [".lock"]
+    left = sorted(p.name for p in (tmp_path / "shards").iterdir() if p.suffix != ".pin")
+    assert left == sorted([".lock", f"{first.sha256}.damaged", f"{second.sha256}.damaged"])  # verdicts, no bytes
 
 
 def test_a_budget_smaller_than_one_shard_is_refused(s3: dict[str, Any], packed_url: str, tmp_path: Path) -> None:
@@ -357,3 +364,159 @@ def test_a_lightning_cli_fit_with_workers_on_s3_killed_after_a_checkpoint_resume
     resumed = cli_config(tmp_path / "resumed.yaml", run, packed_url, s3, None)
     main(["fit", "--config", str(resumed), "--ckpt_path", str(run / "ckpt" / "step=5.ckpt")])
     assert len(records(run)) > 5 and records(run) == records(whole)
+
+
+def damage_member(s3: dict[str, Any], url: str, index: Any, sample: int) -> tuple[str, str, str, str]:
+    """Flip one byte inside sample `sample`'s member in the bucket.
+
+    Returns the member's display, its recorded and its damaged checksum, and the damaged shard's SHA-256.
+    """
+    number, offset, length = index.member(sample)
+    key = f"{url.removeprefix('s3://')}/{index.shards[number].path}"
+    client = fs(s3)  # one client: making one costs more than the requests
+    data = bytearray(client.cat_file(key))
+    data[offset + length - 10] ^= 0x01
+    client.pipe_file(key, bytes(data))
+    display = f"{url}/{index.shards[number].path}[{index.relative_path(sample)}]"
+    recorded = f"{index.checksum(sample):016x}" if index.member_checksum is not None else ""
+    found = xxhash.xxh3_64_hexdigest(bytes(data[offset : offset + length]))
+    return display, recorded, found, hashlib.sha256(data).hexdigest()
+
+
+def two_in_shard(index: Any, number: int) -> tuple[int, int]:
+    first, second = [i for i in range(len(index)) if index.member(i)[0] == number][:2]
+    return first, second
+
+
+def test_a_flipped_byte_inside_a_member_is_refused_in_range_mode_naming_shard_member_and_both_checksums(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path
+) -> None:
+    url = copy_packed(s3, packed_url, "flipped-range")
+    index, reader = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path))
+    assert reader is not None
+    victim, neighbour = two_in_shard(index, 0)
+    display, recorded, found, _ = damage_member(s3, url, index, victim)
+    message = f"{display}: xxh3_64: member bytes hash to {found}, the index says {recorded} (ranged read"
+    with pytest.raises(CacheFormatError, match=re.escape(message)):
+        reader.open(victim)
+    reader.open(neighbour).close()  # the shard's intact members are checked and read
+
+
+def test_a_damaged_shard_is_marked_for_the_node_and_its_damaged_member_is_not_served_by_a_ranged_read(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path
+) -> None:
+    url = copy_packed(s3, packed_url, "flipped-cache")
+    options = dict(remote_read="shard_cache", shard_cache_bytes=10 * 10240)
+    index, reader = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path), **options)  # type: ignore[arg-type]
+    assert reader is not None and reader.shard_cache is not None and reader.store is not None
+    cache, shard = reader.shard_cache, index.shards[0]
+    victim, neighbour = two_in_shard(index, 0)
+    display, recorded, found, _ = damage_member(s3, url, index, victim)
+    with pytest.raises(ValueError, match=rf"{url}/{shard.path}: sha256: .* the manifest says {shard.sha256} .*"):
+        cache.fetch(0)  # what the prefetcher does first
+    assert not cache.local_path(0).exists() and (cache.directory / f"{shard.sha256}.damaged").is_file()
+    requests = reader.store.stats.requests
+    assert not cache.fetch(0) and reader.store.stats.requests == requests  # never downloaded again
+    message = f"{display}: xxh3_64: member bytes hash to {found}, the index says {recorded} (ranged read"
+    with pytest.raises(CacheFormatError, match=re.escape(message)):
+        reader.open(victim)
+    assert reader.fallbacks == 1
+    reader.open(neighbour).close()
+
+
+def old_format_copy(s3: dict[str, Any], packed_url: str, name: str) -> str:
+    """A copy of the packed cache in the bucket, its index rewritten as before member checksums."""
+    url = copy_packed(s3, packed_url, name)
+    prefix, client = url.removeprefix("s3://"), fs(s3)
+    drop_checksums(
+        lambda file: client.cat_file(f"{prefix}/{file}"), lambda file, data: client.pipe_file(f"{prefix}/{file}", data)
+    )
+    return url
+
+
+def test_no_reader_on_the_node_reads_a_shard_marked_damaged_of_a_cache_without_member_checksums(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path
+) -> None:
+    url = old_format_copy(s3, packed_url, "old-damaged")
+    options = dict(remote_read="shard_cache", shard_cache_bytes=10 * 10240)
+    index, reader = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path), **options)  # type: ignore[arg-type]
+    assert reader is not None and reader.shard_cache is not None and reader.store is not None
+    assert index.member_checksum is None
+    victim, neighbour = two_in_shard(index, 0)
+    display, _, _, found = damage_member(s3, url, index, victim)
+    with pytest.raises(ValueError, match="sha256: shard hashes to"):
+        reader.shard_cache.fetch(0)
+    message = (
+        f"sha256: shard hashes to {found}, the manifest says {index.shards[0].sha256}; the shard is marked damaged"
+    )
+    requests = reader.store.stats.requests
+    with pytest.raises(CacheFormatError, match=re.escape(f"{display}: {message}")):
+        reader.open(victim)
+    with pytest.raises(CacheFormatError, match="none of its members is read"):
+        reader.open(neighbour)  # intact or not, nothing of it can be checked
+    assert reader.store.stats.requests == requests
+    _, other = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path))  # another reader, range mode
+    assert other is not None and other.store is not None
+    requests = other.store.stats.requests
+    with pytest.raises(CacheFormatError, match=re.escape(message)):
+        other.open(victim)
+    assert other.store.stats.requests == requests
+
+
+def test_skip_drops_a_damaged_member_the_same_way_in_both_read_modes_and_quarantines_it(
+    s3: dict[str, Any], source: Path, packed_url: str, tmp_path: Path
+) -> None:
+    url = copy_packed(s3, packed_url, "flipped-skip")
+    index, _ = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path / "probe"))
+    victim = two_in_shard(index, 1)[0]
+    display, _, _, _ = damage_member(s3, url, index, victim)
+    clean = [[i for i in b if i != victim] for b in batches(source, 0)]
+    for mode in ("range", "shard_cache"):
+        quarantine = tmp_path / f"{mode}.jsonl"
+        common = dict(storage_options=s3, remote_read=mode, local_cache_dir=str(tmp_path / mode))
+        common |= dict(on_corrupt_sample="skip", max_corrupt_fraction=0.5, quarantine_file=str(quarantine))
+        assert batches(url, 0, shard_cache_bytes=3 * 10240, **common) == clean, mode
+        (line,) = quarantine.read_text().splitlines()
+        assert json.loads(line)["file"] == display and json.loads(line)["field"] == "xxh3_64"
+
+
+def mark_in_a_process(url: str, s3: dict[str, Any], local: str) -> None:
+    _, reader = open_location(url, storage_options=s3, local_cache_dir=local, remote_read="shard_cache")
+    assert reader is not None and reader.shard_cache is not None
+    try:
+        reader.shard_cache.fetch(0)
+    except ValueError:
+        return
+    raise AssertionError("the damaged shard was accepted")
+
+
+def read_in_a_process(url: str, s3: dict[str, Any], local: str, sample: int, results: Any) -> None:
+    _, reader = open_location(url, storage_options=s3, local_cache_dir=local, remote_read="shard_cache")
+    assert reader is not None and reader.store is not None
+    requests = reader.store.stats.requests
+    try:
+        reader.open(sample).close()
+        results.put(("served", reader.store.stats.requests - requests))
+    except CacheFormatError as error:
+        results.put((str(error), reader.store.stats.requests - requests))
+
+
+@pytest.mark.slow
+def test_a_shard_marked_damaged_by_one_process_is_not_read_by_another(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path
+) -> None:
+    url = old_format_copy(s3, packed_url, "old-damaged-processes")
+    index, _ = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path / "probe"))
+    victim = two_in_shard(index, 0)[1]
+    damage_member(s3, url, index, two_in_shard(index, 0)[0])
+    context = multiprocessing.get_context("fork")
+    marker = context.Process(target=mark_in_a_process, args=(url, s3, str(tmp_path / "node")))
+    marker.start()
+    marker.join(timeout=120)
+    assert marker.exitcode == 0
+    results = context.Queue()
+    reader = context.Process(target=read_in_a_process, args=(url, s3, str(tmp_path / "node"), victim, results))
+    reader.start()
+    message, requests = results.get(timeout=120)
+    reader.join(timeout=60)
+    assert "the shard is marked damaged on this node" in message and requests == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -20,12 +21,12 @@ from typing import Any, Literal
 
 from ..payload.payload import PayloadFormat
 from .encode import Prepared, encode_window, prepare
-from .encoders import ImageEncoder, PromptEncoder, TextEncoder
+from .encoders import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .resize import ResizePolicy
-from .sources import BadSampleError, EditSource
-from .writer import StoreDtype, payload_name, remove_stale_temporaries, write_sample
+from .sources import BadSampleError, EditSource, row_index_of
+from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
 
 WINDOW_BATCHES = 4
 # Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
@@ -85,6 +86,7 @@ class BuildReport:
     seconds: float
     merged: MergeReport | None  # set on the rank that merged
     merge_only: bool = False  # nothing was encoded by request
+    truncated: int = 0  # payloads written by this run whose prompt a length limit cut (each warned)
 
 
 def instantiate(spec: EncoderSpec, protocol: type | tuple[type, ...], name: str) -> Any:
@@ -153,13 +155,13 @@ def build_cache(
         say(f"resuming the build in {root}")
     rows = len(source) if options.num_samples is None else min(options.num_samples, len(source))
     mine = list(range(rank, rows, world_size))
-    done, written, skipped = 0, 0, Counter[str]()
+    done, written, skipped, truncated = 0, 0, Counter[str](), 0
     if not merge_only:
         clear_failure(root, rank)
-        if remove_stale_temporaries(root, rank, world_size):
+        if remove_stale_temporaries(root, {row_index_of(source, p) for p in mine}):
             say("removed temporary files left by an interrupted run")
         try:
-            done, written, skipped = _encode_slice(
+            done, written, skipped, truncated = _encode_slice(
                 root, rank, source, mine, (image_encoder, text_encoder), options, on_progress, say
             )
         except BaseException as error:
@@ -182,7 +184,9 @@ def build_cache(
         }
         merged = merge_index(root, entries, rows, options.shard_size, provenance)
     seconds = time.monotonic() - started
-    return BuildReport(root, rank, world_size, len(mine), done, written, dict(skipped), seconds, merged, merge_only)
+    return BuildReport(
+        root, rank, world_size, len(mine), done, written, dict(skipped), seconds, merged, merge_only, truncated
+    )
 
 
 def _encode_slice(
@@ -194,13 +198,12 @@ def _encode_slice(
     options: BuildOptions,
     on_progress: Callable[[int, int], None] | None,
     say: Callable[[str], None],
-) -> tuple[int, int, Counter[str]]:
-    """Encode the positions of `mine` no journal has yet; returns (already done, written, skipped by reason)."""
+) -> tuple[int, int, Counter[str], int]:
+    """Encode the positions of `mine` no journal has yet; returns (already done, written, skipped by reason,
+    truncated prompts)."""
     entries = JournalReader(root).refresh()
     redo = {
-        p
-        for p in mine
-        if "record" in entries.get(p, {}) and not (root / payload_name(p, options.payload_format)).is_file()
+        p for p in mine if "record" in entries.get(p, {}) and not (root / entries[p]["record"]["cache_file"]).is_file()
     }
     if redo:
         say(f"{len(redo)} journaled payloads are missing on disk and will be encoded again")
@@ -210,7 +213,7 @@ def _encode_slice(
     progress(already, len(mine))
     skipped: Counter[str] = Counter()
     if not todo:
-        return already, 0, skipped
+        return already, 0, skipped, 0
     image_encoder: ImageEncoder = instantiate(specs[0], ImageEncoder, "image_encoder")
     text_encoder: TextEncoder | PromptEncoder
     if specs[1] == specs[0] and isinstance(image_encoder, PromptEncoder):
@@ -221,7 +224,7 @@ def _encode_slice(
     options.resize.check(factor)
     window_size = options.batch_size * WINDOW_BATCHES
     journal = Journal(root, rank)
-    finished, written = already, 0
+    finished, written, truncated = already, 0, 0
     try:
         with ThreadPoolExecutor(options.num_workers) as pool:
             for start in range(0, len(mine), window_size):
@@ -234,6 +237,10 @@ def _encode_slice(
                     raise bad[0]
                 good = [item for item in loaded if isinstance(item, Prepared)]
                 encoded = encode_window(good, image_encoder, text_encoder, options.batch_size, factor)
+                for sample in encoded:
+                    if sample.prompt_truncations:
+                        truncated += 1
+                        warn_truncation(sample, truncated)
                 records = list(
                     pool.map(
                         lambda e: write_sample(
@@ -242,14 +249,12 @@ def _encode_slice(
                         encoded,
                     )
                 )
-                lines = [{"position": r["row_index"], "record": r} for r in records]
+                lines = [{"position": e.source.position, "record": r} for e, r in zip(encoded, records)]
                 for item, position in ((i, p) for i, p in zip(loaded, window) if isinstance(i, BadSampleError)):
                     skipped[item.kind] += 1
+                    problem = {"location": item.location, "kind": item.kind, "problem": item.problem}
                     lines.append(
-                        {
-                            "position": position,
-                            "skipped": {"location": item.location, "kind": item.kind, "problem": item.problem},
-                        }
+                        {"position": position, "skipped": {"row_index": row_index_of(source, position), **problem}}
                     )
                 journal.append(sorted(lines, key=lambda line: line["position"]))
                 finished += len(window)
@@ -257,4 +262,17 @@ def _encode_slice(
                 progress(finished, len(mine))
     finally:
         journal.close()
-    return already, written, skipped
+    return already, written, skipped, truncated
+
+
+def warn_truncation(sample: EncodedSample, count: int) -> None:
+    """One `PromptTruncationWarning` for a sample whose prompt was cut; `count` numbers them on this rank."""
+    raw = sample.source.sample
+    cuts = "; ".join(t.describe() for t in sample.prompt_truncations)
+    warnings.warn(
+        PromptTruncationWarning(
+            f"{sample.source.location} (id {raw.sample_id!r}): prompt cut: {cuts}; the dropped tokens are the end "
+            f"of the prompt. Recorded in the payload's metadata.prompt_truncation (prompt {count} cut by this rank)"
+        ),
+        stacklevel=2,
+    )

@@ -250,6 +250,11 @@ def print_summary(console: Console, report: BuildReport) -> None:
             f"{who}wrote {report.written} payloads ({report.already_done} of {report.assigned} already done"
             f"{f', {skipped} skipped: {reasons}' if skipped else ''}) in {report.seconds:.1f} s"
         )
+    if report.truncated:
+        console.print(
+            f"[yellow]{who}{report.truncated} of the {report.written} prompts were cut by a length limit "
+            f"(warned above; recorded in each payload's metadata.prompt_truncation)[/yellow]"
+        )
     merged = report.merged
     if merged is None:
         if report.rank != 0:

@@ -1,5 +1,7 @@
 """`cache validate`: load every payload through the dataset's own checks and report every bad one.
 
+Loading a member of a packed cache checks it against its recorded checksum, as training does; a
+packed cache written before member checksums gets a line saying so (not a failure).
 Exit codes: 0 sound, 1 at least one bad sample, 2 the index itself cannot be opened.
 """
 
@@ -16,6 +18,8 @@ from rich.console import Console
 
 from ..contract.validate import CacheFormatError
 from ..dataset import ImageEditDataset
+from ..index.index import CacheIndex
+from ..storage.packed import CHECKSUM
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,18 @@ def check_cache(
     return problems
 
 
+def checksum_note(index: CacheIndex) -> str | None:
+    """What `validate` says about a packed cache's member checksums (None for a one-file-per-sample cache)."""
+    if not index.packed:
+        return None
+    if index.member_checksum is None:
+        return (
+            "member checksums: none (packed before they existed): members are checked only by their shards' "
+            "SHA-256, here, not when training reads them; pack the cache again to add them"
+        )
+    return f"member checksums: {CHECKSUM}, checked on every read"
+
+
 def validate_main(args: Namespace, console: Console) -> int:
     """Run `cache validate` and print the bad samples."""
     try:
@@ -82,6 +98,9 @@ def validate_main(args: Namespace, console: Console) -> int:
         from ..storage.verify import check_shards
 
         problems += [Problem(-1, p.file, p.field, p.reason) for p in check_shards(dataset.reader)]
+    note = checksum_note(dataset.index)
+    if note is not None:
+        console.print(note, highlight=False, markup=False)
     if not problems:
         finite = ", all values finite" if args.check_finite else ""
         console.print(f"[green]ok:[/green] {len(dataset)} samples in {dataset.index.root} load and validate{finite}")

@@ -1,10 +1,12 @@
-"""`image-edit-data cache build|validate|inspect` and `image-edit-data demo-cache`: parse, run, report.
+"""`image-edit-data cache SUBCOMMAND` (those of `CACHE_COMMANDS`) and `image-edit-data demo-cache`: parse, run, report.
 
 Each entry point takes argv (without the program and command names) and returns an exit code.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,33 +24,34 @@ USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeEr
 STORAGE_HELP = 'fsspec options for URLs, as JSON (e.g. {"endpoint_url": "http://127.0.0.1:9000"}).'
 
 
-def cache_parser() -> ArgumentParser:
-    """`cache build|validate|inspect|convert`."""
-    parser = ArgumentParser(
-        prog="image-edit-data cache", description="Build, validate or inspect a cache.", exit_on_error=False
-    )
-    commands = parser.add_subcommands(dest="command")
-    commands.add_subcommand("build", build_parser(), help="Encode raw examples into a cache (resumable).")
+def validate_parser() -> ArgumentParser:
+    """`cache validate DIR`."""
     validate = ArgumentParser(description="Load and check every payload.", exit_on_error=False)
     validate.add_argument("cache_dir", type=str)
     validate.add_argument("--check-finite", action=ActionYesNo, default=False, help="Also report NaN/Inf values.")
     validate.add_argument("--workers", type=int, default=8, help="Threads loading payloads.")
     validate.add_argument("--storage-options", type=dict[str, Any] | None, default=None, help=STORAGE_HELP)
-    commands.add_subcommand("validate", validate, help="Exit 0 if sound, 1 if a sample is bad, 2 if the index is.")
+    return validate
+
+
+def inspect_parser() -> ArgumentParser:
+    """`cache inspect DIR`."""
     inspect = ArgumentParser(description="Bucket table and token statistics.", exit_on_error=False)
     inspect.add_argument("cache_dir", type=str)
     inspect.add_argument("--histogram", type=str | None, default=None, help="Write shape/token plots to this PNG.")
     inspect.add_argument("--patch-size", type=int | None, default=None, help="Latent cells per token side.")
     inspect.add_argument("--storage-options", type=dict[str, Any] | None, default=None, help=STORAGE_HELP)
-    commands.add_subcommand("inspect", inspect, help="Print the bucket table.")
+    return inspect
+
+
+def convert_parser() -> ArgumentParser:
+    """`cache convert DIR OUT_DIR`."""
     convert = ArgumentParser(description="Rewrite every payload in another format.", exit_on_error=False)
     convert.add_argument("cache_dir", type=str, help="The cache to read (left untouched).")
     convert.add_argument("out_dir", type=str, help="A new directory for the converted cache.")
     convert.add_argument("--format", type=Literal["pt", "safetensors"], default="safetensors", help="Payload format.")
     convert.add_argument("--workers", type=int, default=4, help="Threads converting payloads.")
-    commands.add_subcommand("convert", convert, help="Convert payloads (e.g. NeMo .pt -> safetensors); resumable.")
-    commands.add_subcommand("pack", pack_parser(), help="Pack payloads into tar shards (local or a URL); resumable.")
-    return parser
+    return convert
 
 
 def pack_parser() -> ArgumentParser:
@@ -62,6 +65,42 @@ def pack_parser() -> ArgumentParser:
     pack.add_argument("--storage-options", type=dict[str, Any] | None, default=None, help=STORAGE_HELP)
     pack.add_argument("--staging-dir", type=str | None, default=None, help="Local work directory for a URL output.")
     return pack
+
+
+def validate_main(args: Namespace, console: Console) -> int:
+    """Run `cache validate`."""
+    from .check import validate_main as run
+
+    return run(args, console)
+
+
+def inspect_main(args: Namespace, console: Console) -> int:
+    """Run `cache inspect`."""
+    from .inspect import inspect_main as run
+
+    return run(args, console)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One `cache` subcommand: its one-line help, its parser and what runs it."""
+
+    help: str
+    parser: Callable[[], ArgumentParser]
+    run: Callable[[Namespace, Console], int]
+
+
+def cache_parser() -> ArgumentParser:
+    """`cache SUBCOMMAND ...`, one subcommand per entry of `CACHE_COMMANDS`."""
+    parser = ArgumentParser(
+        prog="image-edit-data cache",
+        description=f"Cache tools: {', '.join(CACHE_COMMANDS)}.",
+        exit_on_error=False,
+    )
+    commands = parser.add_subcommands(dest="command")
+    for name, subcommand in CACHE_COMMANDS.items():
+        commands.add_subcommand(name, subcommand.parser(), help=subcommand.help)
+    return parser
 
 
 def make_console() -> Console:
@@ -82,19 +121,7 @@ def cache_main(argv: list[str]) -> int:
         return 2
     command = args.command
     try:
-        if command == "build":
-            return run_build(args.build, console)
-        if command == "validate":
-            from .check import validate_main
-
-            return validate_main(args.validate, console)
-        if command == "convert":
-            return convert_main(args.convert, console)
-        if command == "pack":
-            return pack_main(args.pack, console)
-        from .inspect import inspect_main
-
-        return inspect_main(args.inspect, console)
+        return CACHE_COMMANDS[command].run(args[command], console)
     except BadSampleError as error:
         console.print(
             f"[red]bad sample:[/red] {error}\n(use --on-bad-sample skip to leave such samples out)", highlight=False
@@ -178,3 +205,19 @@ def demo_cache_main(argv: list[str]) -> int:
         return 1
     console.print(f"train with cache_dir={Path(args.out_dir).resolve()}")
     return code
+
+
+# The one list of `cache` subcommands: the parser, the dispatch and `image-edit-data --help` all read it.
+CACHE_COMMANDS: dict[str, Subcommand] = {
+    "build": Subcommand("Encode raw examples into a cache (resumable, multi-rank).", build_parser, run_build),
+    "validate": Subcommand(
+        "Check every payload: exit 0 sound, 1 a bad sample, 2 an unreadable index.", validate_parser, validate_main
+    ),
+    "inspect": Subcommand("Print the bucket table and token statistics.", inspect_parser, inspect_main),
+    "convert": Subcommand(
+        "Rewrite the payloads in the other format (e.g. NeMo .pt -> safetensors); resumable.",
+        convert_parser,
+        convert_main,
+    ),
+    "pack": Subcommand("Pack the payloads into tar shards, locally or at a URL; resumable.", pack_parser, pack_main),
+}

@@ -114,7 +114,11 @@ def encode_prompts(
                     f"got {list(embeddings.shape)} and {list(mask.shape)}"
                 )
             conditioning = {name: t.detach().cpu().clone() for name, t in item.conditioning.items()}
-            results.append(PromptEncoding(embeddings.detach().cpu().clone(), mask.detach().cpu().clone(), conditioning))
+            results.append(
+                PromptEncoding(
+                    embeddings.detach().cpu().clone(), mask.detach().cpu().clone(), conditioning, item.truncations
+                )
+            )
     return results
 
 
@@ -137,7 +141,14 @@ def encode_window(
         contexts = tuple(next(latents) for _ in p.contexts)
         encoded.append(
             EncodedSample(
-                p.source, target, contexts, prompt.embeddings, prompt.mask, p.original_pixel_shapes, prompt.conditioning
+                p.source,
+                target,
+                contexts,
+                prompt.embeddings,
+                prompt.mask,
+                p.original_pixel_shapes,
+                prompt.conditioning,
+                prompt.truncations,
             )
         )
     return encoded

@@ -2,15 +2,16 @@
 
 An image encoder (`ImageEncoder`) and a text encoder: either a `TextEncoder`, which sees prompts only,
 or a `PromptEncoder`, which also sees each sample's condition images and may return named conditioning
-tensors. A `PipelineEncoder` (one diffusers pipeline) is both an image encoder and a prompt encoder.
+tensors and the tokens a length limit cut (`Truncation`). A `PipelineEncoder` (one diffusers pipeline)
+is both an image encoder and a prompt encoder.
 Any class with these methods works; jsonargparse builds it from a class path and init args.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from PIL import Image
@@ -38,18 +39,45 @@ class ImageDecoder(Protocol):
 
 @runtime_checkable
 class TextEncoder(Protocol):
-    """Turns prompts into per-prompt embeddings `[S_i, D]` and attention masks `[S_i]`."""
+    """Turns prompts into per-prompt embeddings `[S_i, D]` and attention masks `[S_i]`.
+
+    It cannot report a cut prompt: an encoder that may truncate implements `PromptEncoder` instead.
+    """
 
     def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+class PromptTruncationWarning(UserWarning):
+    """A prompt lost tokens to a length limit while a cache was built (each such sample gets one)."""
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """Tokens one text encoder cut from one prompt: it kept `kept` of the prompt's `tokens`, because of `cause`."""
+
+    encoder: str  # which text encoder cut, e.g. "Qwen2.5-VL", "T5", "CLIP"
+    tokens: int  # the prompt's tokens before the cut
+    kept: int
+    cause: str  # the limit, e.g. "max_sequence_length 512"
+
+    def to_json(self) -> dict[str, Any]:
+        """The record stored in a payload's `metadata.prompt_truncation`."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """`T5 kept 512 of 600 tokens (max_sequence_length 512)`."""
+        return f"{self.encoder} kept {self.kept} of {self.tokens} tokens ({self.cause})"
+
+
 @dataclass(frozen=True)
 class PromptEncoding:
-    """One prompt's embeddings `[S, D]`, attention mask `[S]` and named conditioning tensors (any shape)."""
+    """One prompt's embeddings `[S, D]`, attention mask `[S]`, named conditioning tensors (any shape), and what
+    a length limit cut from it (empty when nothing was cut)."""
 
     embeddings: torch.Tensor
     mask: torch.Tensor
     conditioning: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    truncations: tuple[Truncation, ...] = ()
 
 
 @runtime_checkable
@@ -57,6 +85,7 @@ class PromptEncoder(Protocol):
     """Turns prompts, each with its sample's condition images (raw, possibly none), into `PromptEncoding`s.
 
     Every result of one cache must carry the same conditioning names, with the same shape and dtype per name.
+    An encoder that cuts a prompt says so in `truncations`: the build warns and records it per sample.
     """
 
     def encode_prompts(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]: ...

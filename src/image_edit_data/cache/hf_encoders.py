@@ -6,9 +6,13 @@ package works without them. Models are opened with `local_files_only=True`: noth
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 import torch
+from PIL import Image
+
+from .encoders import PromptEncoding, PromptTruncationWarning, Truncation
 
 TorchDtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -107,6 +111,8 @@ class TransformersTextEncoder:
     Each prompt gives `[S_i, D]` embeddings with an all-ones mask `[S_i]`, S_i = its token count
     (at most `max_sequence_length`); collate pads a batch later. With `pad_to_max_length` every
     prompt is padded to `max_sequence_length` instead, with zeros in the embeddings and the mask.
+    A longer prompt is cut and the cut reported: `encode_prompts` (what a build calls) returns it
+    in `PromptEncoding.truncations`, and `encode` warns with a `PromptTruncationWarning`.
     """
 
     def __init__(
@@ -127,7 +133,8 @@ class TransformersTextEncoder:
             subfolder: Subdirectory of `path` holding the model.
             tokenizer_subfolder: Subdirectory of `path` holding the tokenizer (defaults to `subfolder`).
             model_class: transformers class that loads the model, e.g. `T5EncoderModel` or `CLIPTextModel`.
-            max_sequence_length: Tokens kept per prompt; longer prompts are truncated.
+            max_sequence_length: Tokens kept per prompt, special tokens included; longer prompts are cut there,
+                and each cut is reported (a build warns and records it per sample).
             pad_to_max_length: Store every prompt at `max_sequence_length` tokens, padded with a zero mask.
             hidden_state_index: Which hidden state to keep; -1 is the last hidden state.
             torch_dtype: Dtype the model runs in; embeddings are returned in float32.
@@ -152,10 +159,20 @@ class TransformersTextEncoder:
         kwargs = {dtype_key: DTYPES[torch_dtype], "subfolder": subfolder or "", "local_files_only": True}
         self.model = loader.from_pretrained(path, **kwargs)
         self.model.to(self.device).eval().requires_grad_(False)
+        self.name = type(self.model).__name__  # names the encoder in truncation records
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per prompt, float32 embeddings `[S, D]` and an int64 mask `[S]`; warns for each prompt it cuts."""
+        results = self.encode_prompts(prompts, [() for _ in prompts])
+        for prompt, result in zip(prompts, results):
+            for cut in result.truncations:
+                warnings.warn(PromptTruncationWarning(f"prompt {prompt[:80]!r}: {cut.describe()}"), stacklevel=2)
+        return [(result.embeddings, result.mask) for result in results]
 
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per prompt, float32 embeddings `[S, D]` and an int64 mask `[S]` (see the class docstring)."""
+    def encode_prompts(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]:
+        """Per prompt, a `PromptEncoding` with the cut, if any (condition images are not used)."""
+        lengths = [len(ids) for ids in self.tokenizer(prompts, truncation=False)["input_ids"]]
         tokens = self.tokenizer(
             prompts,
             padding="max_length" if self.pad_to_max_length else True,
@@ -170,10 +187,13 @@ class TransformersTextEncoder:
         states = output.hidden_states[self.hidden_state_index] if wants_states else output.last_hidden_state
         states, mask = states.float().cpu(), mask.cpu().to(torch.int64)
         results = []
-        for row in range(len(prompts)):
+        for row, length in enumerate(lengths):
+            cap = self.max_sequence_length
+            cuts = (Truncation(self.name, length, cap, f"max_sequence_length {cap}"),) if length > cap else ()
             if self.pad_to_max_length:
-                results.append((states[row] * mask[row, :, None], mask[row]))
+                results.append(PromptEncoding(states[row] * mask[row, :, None], mask[row], truncations=cuts))
             else:
                 real = mask[row].bool()
-                results.append((states[row][real].contiguous(), torch.ones(int(real.sum()), dtype=torch.int64)))
+                kept = torch.ones(int(real.sum()), dtype=torch.int64)
+                results.append(PromptEncoding(states[row][real].contiguous(), kept, truncations=cuts))
         return results

@@ -13,6 +13,7 @@ from rich.table import Table
 from ..contract.signature import Signature
 from ..index.index import UNKNOWN, CacheIndex
 from ..storage.location import open_location
+from ..storage.packed import CHECKSUM
 from .writer import token_count
 
 
@@ -110,7 +111,10 @@ def inspect_main(args: Namespace, console: Console) -> int:
     console.print(render_table(index, rows, patch_size))
     if index.packed:  # the packed layout (storage/packed.py): how the samples are stored
         total = sum(s.nbytes for s in index.shards)
-        console.print(f"packed: {len(index.shards)} tar shard(s), {total} bytes", highlight=False)
+        checksums = CHECKSUM if index.member_checksum is not None else "none (packed before them)"
+        console.print(
+            f"packed: {len(index.shards)} tar shard(s), {total} bytes, member checksums: {checksums}", highlight=False
+        )
     if args.histogram:
         write_histogram(index, rows, Path(args.histogram))
         console.print(f"histogram written to {args.histogram}")

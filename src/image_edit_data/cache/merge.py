@@ -1,8 +1,9 @@
 """Turn the journals of all ranks into the index: shards first, `metadata.json` last.
 
-Records are ordered by source position, so the index depends only on the source, never on which
-rank wrote what or in which order. The merging rank waits until every position below the row
-limit is journaled, a rank reports failure, or the timeout passes.
+Records are ordered by row index (the source position unless a manifest line gives `metadata.row_index`),
+so the index depends only on the source, never on which rank wrote what or in which order. The merging
+rank waits until every position below the row limit is journaled, a rank reports failure, or the timeout
+passes.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def merge_index(
     provenance: Mapping[str, Any],
 ) -> MergeReport:
     """Write the shards and then metadata.json (with `provenance`, counts and the skipped samples)."""
-    records = [entries[p]["record"] for p in range(rows) if "record" in entries[p]]
+    # By row index, as NeMo Automodel orders its index.
+    records = sorted(
+        (entries[p]["record"] for p in range(rows) if "record" in entries[p]), key=lambda r: r["row_index"]
+    )
     skipped = [{"row_index": p, **entries[p]["skipped"]} for p in range(rows) if "skipped" in entries[p]]
     names = []
     for number, start in enumerate(range(0, len(records), shard_size)):

@@ -2,8 +2,10 @@
 
 Each shard holds samples of one bucket only, in index order, filled up to `shard_bytes`. The new
 index keeps the source's samples in the source's order and records per sample `(shard, offset,
-length)`; the manifest lists every shard with its size and SHA-256 (see storage/packed.py). So
-training reads a sample with one seek, and any tar tool can list or extract a shard.
+length)` and the XXH3-64 checksum of the member's bytes; the manifest lists every shard with its
+size and SHA-256 (see storage/packed.py). So training reads a sample with one seek and checks it,
+and any tar tool can list or extract a shard. Each shard is read back once written: every member's
+bytes in the file must hash to the checksum of the bytes meant for it, or the pack stops.
 
 Like `cache convert`, packing is atomic and resumable: a shard is written to a temporary file and
 renamed into place, then journalled in `progress/pack.jsonl`; rerunning the same command skips
@@ -30,7 +32,17 @@ from ..index.index import MANIFEST
 from ..payload.payload import to_safetensors
 from ..storage.location import local_path_of
 from ..storage.mirror import local_dir_for
-from ..storage.packed import LAYOUT, LAYOUT_KEY, SHARDS_KEY, ShardInfo
+from ..storage.packed import (
+    CHECKSUM,
+    CHECKSUM_KEY,
+    LAYOUT,
+    LAYOUT_KEY,
+    SHARDS_KEY,
+    ShardInfo,
+    check_member_bytes,
+    checksum_text,
+    member_checksum,
+)
 from ..storage.remote import RemoteStore
 from .convert import RECORDS_PER_SHARD, converted_name
 from .journal import settings_differences
@@ -40,7 +52,7 @@ DEFAULT_SHARD_BYTES = 256 << 20
 PROGRESS = "progress"
 JOURNAL = "pack.jsonl"
 SETTINGS = "pack-settings.json"
-PACK_VERSION = 1
+PACK_VERSION = 2  # 2: member checksums (a pack journalled by version 1 has none, so it cannot be finished)
 FIELDS = ("target_latent", "context_latents", "prompt_embeddings", "prompt_attention_mask", "metadata")
 
 
@@ -121,6 +133,15 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def verify_written(path: Path, members: list[dict[str, Any]], names: list[str]) -> None:
+    """Check each member's bytes in a written shard against the checksum of the bytes meant for it."""
+    with path.open("rb") as stream:
+        for member in members:
+            data = os.pread(stream.fileno(), member["length"], member["offset"])
+            display = f"{path}[{names[member['position']]}]"
+            check_member_bytes(data, int(member[CHECKSUM], 16), display, "as written by this pack")
+
+
 class Packer:
     """One pack run: the source's samples, bucket by bucket, into shards under `work`."""
 
@@ -167,7 +188,11 @@ class Packer:
                 tar.addfile(tar_member(self.names[position], data), io.BytesIO(data))
                 # addfile leaves `offset` after the member's data, padded to 512-byte blocks.
                 offset = tar.offset - -(-len(data) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-                placed.append({"position": position, "offset": offset, "length": len(data), "record": record})
+                checksum = checksum_text(member_checksum(data))
+                placed.append(
+                    {"position": position, "offset": offset, "length": len(data), CHECKSUM: checksum, "record": record}
+                )
+        verify_written(target, placed, self.names)
         return {
             "shard": number,
             "path": relative,
@@ -219,6 +244,7 @@ def index_files(dataset: ImageEditDataset, entries: list[dict[str, Any]], source
                 "shard": entry["shard"],
                 "offset": member["offset"],
                 "length": member["length"],
+                CHECKSUM: member[CHECKSUM],
             }
     files = []
     names = []
@@ -231,6 +257,7 @@ def index_files(dataset: ImageEditDataset, entries: list[dict[str, Any]], source
         "format": "safetensors",
         LAYOUT_KEY: LAYOUT,
         SHARDS_KEY: [s.to_json() for s in shards],
+        CHECKSUM_KEY: CHECKSUM,
         "packed_from": source,
     }
     files.append((MANIFEST, json.dumps(manifest, indent=2).encode()))

@@ -60,19 +60,19 @@ class DiffusersPipelineEncoder:
         path: str,
         torch_dtype: TorchDtype = "bfloat16",
         device: str = "cpu",
-        max_sequence_length: int = 512,
+        max_sequence_length: int | None = None,
     ) -> None:
         """
         Args:
             path: Local diffusers pipeline directory (model_index.json and one folder per component).
             torch_dtype: Dtype the VAE and text encoders run in; results are returned in float32.
             device: Where the models run, e.g. `cuda` (under torchrun the build selects the local GPU).
-            max_sequence_length: Text tokens kept per prompt.
+            max_sequence_length: The family's prompt length setting (see the subclass); None where it has no limit.
         """
         import diffusers
         from packaging.version import Version
 
-        if max_sequence_length < 1:
+        if max_sequence_length is not None and max_sequence_length < 1:
             raise ValueError(f"max_sequence_length: expected at least 1, got {max_sequence_length}")
         self.path = Path(path).expanduser()
         self.device = torch.device(device)
@@ -151,6 +151,7 @@ class DiffusersPipelineEncoder:
                 r.embeddings.float().cpu(),
                 r.mask.to(torch.int64).cpu(),
                 {name: t.float().cpu() if t.is_floating_point() else t.cpu() for name, t in r.conditioning.items()},
+                r.truncations,
             )
             for r in results
         ]

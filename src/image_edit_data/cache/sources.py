@@ -2,6 +2,8 @@
 
 A source is read by position (0-based) so a build can give each rank a disjoint slice and resume
 where it stopped; `location(position)` names the manifest line or data set row for messages.
+A sample's row index names its payload and orders the index: its position, unless the source says
+otherwise (a manifest line's `metadata.row_index`, as NeMo Automodel's preprocessor reads it).
 Anything wrong with one example raises `BadSampleError`, which the build stops on or skips.
 The Hugging Face data set reader lives in `hf_source.py`.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -28,6 +30,7 @@ EMPTY_PROMPT = "empty prompt"
 NO_TARGET = "no target"
 NO_CONTEXT = "no context"
 DUPLICATE_ID = "duplicate id"
+DUPLICATE_ROW_INDEX = "duplicate row index"
 PATH_OUTSIDE = "path outside source directory"
 MISALIGNED_IMAGE = "misaligned image"
 
@@ -49,12 +52,22 @@ class SourceRecord:
     position: int
     location: str  # e.g. "edits.jsonl line 7" or "train.parquet row 12"
     sample: RawEditSample
-    media: tuple[Mapping[str, Any], ...] = ()  # the manifest's media entries, untouched
+    media: tuple[Mapping[str, Any], ...] = ()  # the manifest's media entries: role and file name
+    given_row_index: int | None = None  # the manifest's metadata.row_index, if it gives one
+
+    @property
+    def row_index(self) -> int:
+        """The index that names the payload and orders the index: the given one, else the position."""
+        return self.position if self.given_row_index is None else self.given_row_index
 
 
 @runtime_checkable
 class EditSource(Protocol):
-    """What a cache build reads: a fixed number of examples, each by position."""
+    """What a cache build reads: a fixed number of examples, each by position.
+
+    A source whose row indices are not its positions also has `row_index(position) -> int`, cheap
+    (without opening images), equal to `read(position).row_index` and unique over the source.
+    """
 
     def __len__(self) -> int: ...
 
@@ -65,6 +78,12 @@ class EditSource(Protocol):
     def describe(self) -> dict[str, Any]:
         """JSON provenance (kind, path, columns, row count); a resumed build must see the same."""
         ...
+
+
+def row_index_of(source: EditSource, position: int) -> int:
+    """The row index of `position`: the source's `row_index(position)` if it defines one, else the position."""
+    lookup = getattr(source, "row_index", None)
+    return int(lookup(position)) if callable(lookup) else position
 
 
 def open_image(data: bytes | str | Path, location: str, field: str) -> Image.Image:
@@ -90,9 +109,9 @@ def inside(root: Path, relative: str, location: str, field: str) -> Path:
     return resolved
 
 
-def first_positions(ids: Sequence[str | None]) -> dict[int, int]:
+def first_positions(ids: Sequence[Hashable | None]) -> dict[int, int]:
     """For each position whose id was already used, the position that used it first."""
-    seen: dict[str, int] = {}
+    seen: dict[Hashable, int] = {}
     repeats: dict[int, int] = {}
     for position, sample_id in enumerate(ids):
         if sample_id is None:
@@ -156,6 +175,7 @@ class _Entry:
     media: tuple[Mapping[str, Any], ...] = ()
     metadata: Mapping[str, Any] | None = None
     error: BadSampleError | None = None
+    row_index: int | None = None  # metadata.row_index, when given
 
 
 MEDIA_ROLES = ("target", "context", "condition")
@@ -168,6 +188,8 @@ class JsonlManifestSource:
     "file_name": ...}` with paths relative to the manifest's directory, and an optional `metadata`
     object. Condition images are read for prompt encoders that look at them (Qwen-Image-Edit's
     Qwen2.5-VL); they are not VAE-encoded. Blank lines are ignored; positions count the other lines in order.
+    As in NeMo Automodel, `metadata.row_index` (a filtered export keeps its original rows' numbers) is the
+    row index, the position when absent, and must be unique; media entries keep only role and file name.
     """
 
     def __init__(self, manifest: str | Path) -> None:
@@ -191,8 +213,18 @@ class JsonlManifestSource:
             if entry.error is None:
                 problem = f"id: {entry.sample_id!r} is already used on line {entries[first].line}"
                 error = BadSampleError(self._where(entry.line), DUPLICATE_ID, problem)
-                entries[position] = _Entry(entry.line, entry.sample_id, error=error)
+                entries[position] = _Entry(entry.line, entry.sample_id, error=error, row_index=entry.row_index)
         self.entries = entries
+        # Row indices name payloads, so they must be unique: of two lines claiming one, the later is bad.
+        claimed = [self.row_index(p) if e.error is None else None for p, e in enumerate(entries)]
+        for position, first in first_positions(claimed).items():
+            entry = entries[position]
+            given = "" if entry.row_index is not None else "not given, so the position "
+            problem = (
+                f"metadata.row_index: {given}{claimed[position]} is already the row index of line {entries[first].line}"
+            )
+            error = BadSampleError(self._where(entry.line), DUPLICATE_ROW_INDEX, problem)
+            entries[position] = _Entry(entry.line, entry.sample_id, error=error, row_index=entry.row_index)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -204,12 +236,18 @@ class JsonlManifestSource:
         """`<manifest> line <n>` of the entry at `position`."""
         return self._where(self.entries[position].line)
 
+    def row_index(self, position: int) -> int:
+        """The entry's `metadata.row_index`, or its position when it gives none."""
+        given = self.entries[position].row_index
+        return position if given is None else given
+
     def _parse(self, line: int, text: str) -> _Entry:
         """Check the fields of one line (images are opened later, in `read`)."""
         where = self._where(line)
+        row_index: int | None = None  # once known, a bad line's row index is reported with it
 
         def bad(kind: str, problem: str, sample_id: str | None = None) -> _Entry:
-            return _Entry(line, sample_id, error=BadSampleError(where, kind, problem))
+            return _Entry(line, sample_id, error=BadSampleError(where, kind, problem), row_index=row_index)
 
         try:
             obj = json.loads(text)
@@ -217,6 +255,10 @@ class JsonlManifestSource:
             return bad(INVALID_ENTRY, f"not valid JSON ({error.msg} at column {error.colno})")
         if not isinstance(obj, dict):
             return bad(INVALID_ENTRY, f"expected a JSON object, got {type(obj).__name__}")
+        metadata = obj.get("metadata", {})
+        given = metadata.get("row_index") if isinstance(metadata, dict) else None
+        if isinstance(given, int) and not isinstance(given, bool) and given >= 0:
+            row_index = given
         raw_id = obj.get("id")
         if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or raw_id == "":
             return bad(INVALID_ENTRY, f"id: expected a non-empty string or integer, got {raw_id!r}")
@@ -245,10 +287,13 @@ class JsonlManifestSource:
             )
         if "context" not in roles:
             return bad(NO_CONTEXT, "media: expected at least one entry with role 'context', got none", sample_id)
-        metadata = obj.get("metadata", {})
         if not isinstance(metadata, dict):
             return bad(INVALID_ENTRY, f"metadata: expected an object, got {type(metadata).__name__}", sample_id)
-        return _Entry(line, sample_id, prompt, tuple(media), metadata)
+        if given is not None and row_index is None:
+            return bad(INVALID_ENTRY, f"metadata.row_index: expected an integer >= 0, got {given!r}", sample_id)
+        # Only role and file name pass on to the payload's metadata, as NeMo Automodel keeps them.
+        kept = tuple({"role": item["role"], "file_name": item["file_name"]} for item in media)
+        return _Entry(line, sample_id, prompt, kept, metadata, row_index=row_index)
 
     def read(self, position: int) -> SourceRecord:
         """Open the entry's images: the target, the contexts and the conditions, each in manifest order."""
@@ -276,7 +321,7 @@ class JsonlManifestSource:
         sample = RawEditSample(
             entry.sample_id or "", entry.prompt, target, tuple(contexts), entry.metadata or {}, tuple(conditions)
         )
-        return SourceRecord(position, where, sample, entry.media)
+        return SourceRecord(position, where, sample, entry.media, entry.row_index)
 
     def describe(self) -> dict[str, Any]:
         """Kind, absolute manifest path and number of entries."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -14,6 +14,7 @@ import torch
 
 from ..contract.signature import Signature
 from ..payload.payload import PayloadFormat, save_payload
+from .encoders import Truncation
 from .sources import SourceRecord
 
 StoreDtype = Literal["float32", "bfloat16", "float16"]
@@ -23,9 +24,9 @@ SAMPLES_DIR = "samples"
 _TEMPORARY = re.compile(r"^\.sample_(\d+)\.(pt|safetensors)\..*\.tmp$")
 
 
-def payload_name(position: int, payload_format: PayloadFormat) -> str:
-    """Path of the payload of source position `position`, relative to the cache directory."""
-    return f"{SAMPLES_DIR}/sample_{position:08d}.{payload_format}"
+def payload_name(row_index: int, payload_format: PayloadFormat) -> str:
+    """Path of the payload of the sample with `row_index`, relative to the cache directory."""
+    return f"{SAMPLES_DIR}/sample_{row_index:08d}.{payload_format}"
 
 
 def token_count(height: int, width: int, patch_size: int) -> int:
@@ -50,6 +51,7 @@ class EncodedSample:
     prompt_attention_mask: torch.Tensor  # [S]
     original_pixel_shapes: Mapping[str, Any]  # {"target": [H, W], "contexts": [[h, w], ...]} before resizing
     conditioning: Mapping[str, torch.Tensor] = field(default_factory=dict)  # named, any shape
+    prompt_truncations: tuple[Truncation, ...] = ()  # what a length limit cut from the prompt
 
 
 def assemble(
@@ -75,11 +77,13 @@ def assemble(
         "target_token_length": target_tokens,
         "context_token_lengths": context_tokens,
         "text_token_length": text_tokens,
-        "row_index": sample.source.position,
+        "row_index": sample.source.row_index,
         "manifest_metadata": dict(raw.metadata),
         "media": [dict(m) for m in sample.source.media],
         "original_pixel_shapes": dict(sample.original_pixel_shapes),
     }
+    if sample.prompt_truncations:  # only on cut prompts, so other payloads keep NeMo's metadata keys
+        metadata["prompt_truncation"] = [t.to_json() for t in sample.prompt_truncations]
     payload = {
         "target_latent": sample.target_latent.to(dtype).contiguous(),
         "context_latents": [c.to(dtype).contiguous() for c in sample.context_latents],
@@ -89,10 +93,10 @@ def assemble(
         "metadata": metadata,
     }
     record = {
-        "cache_file": payload_name(sample.source.position, payload_format),
+        "cache_file": payload_name(sample.source.row_index, payload_format),
         "compound_bucket_signature": signature.to_json(),
         "original_id": raw.sample_id,
-        "row_index": sample.source.position,
+        "row_index": sample.source.row_index,
         "target_token_length": target_tokens,
         "context_token_lengths": context_tokens,
         "text_token_length": text_tokens,
@@ -109,8 +113,8 @@ def write_sample(
     return record
 
 
-def remove_stale_temporaries(root: Path, rank: int, world_size: int) -> int:
-    """Delete payload temporaries a killed run of this rank's slice left behind; return how many."""
+def remove_stale_temporaries(root: Path, row_indices: Container[int]) -> int:
+    """Delete payload temporaries a killed run left behind for the samples of `row_indices`; return how many."""
     samples = root / SAMPLES_DIR
     if not samples.is_dir():
         return 0
@@ -118,7 +122,7 @@ def remove_stale_temporaries(root: Path, rank: int, world_size: int) -> int:
     for path in samples.iterdir():
         match = _TEMPORARY.match(path.name)
         # Other ranks may be writing their own temporaries right now; only this slice's are stale.
-        if match and int(match.group(1)) % world_size == rank:
+        if match and int(match.group(1)) in row_indices:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed += 1

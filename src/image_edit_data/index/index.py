@@ -24,7 +24,7 @@ from ..contract import validate
 from ..contract.paths import contained, read_regular_file, resolve_inside
 from ..contract.signature import Signature, sort_key
 from ..contract.validate import CacheFormatError, fail, show
-from ..storage.packed import PackedFields, ShardInfo, is_packed, shard_list, shards_fingerprint
+from ..storage.packed import PackedFields, ShardInfo, has_checksums, is_packed, shard_list, shards_fingerprint
 
 MANIFEST = "metadata.json"
 UNKNOWN = -1  # token count not stored in the index record
@@ -49,6 +49,7 @@ class CacheIndex:
     member_shard: np.ndarray | None = None  # [N] int32 shard number
     member_offset: np.ndarray | None = None  # [N] int64 byte offset of the member's data in its shard
     member_length: np.ndarray | None = None  # [N] int64 member length
+    member_checksum: np.ndarray | None = None  # [N] uint64 XXH3-64 of each member; None: packed before checksums
 
     @property
     def packed(self) -> bool:
@@ -59,6 +60,10 @@ class CacheIndex:
         """(shard number, offset, length) of sample `index` in a packed cache."""
         assert self.member_shard is not None and self.member_offset is not None and self.member_length is not None
         return int(self.member_shard[index]), int(self.member_offset[index]), int(self.member_length[index])
+
+    def checksum(self, index: int) -> int | None:
+        """The recorded checksum of sample `index`'s member, or None when the cache has none."""
+        return None if self.member_checksum is None else int(self.member_checksum[index])
 
     def __len__(self) -> int:
         return int(self.bucket_ids.shape[0])
@@ -98,7 +103,8 @@ class CacheIndex:
     def nbytes(self) -> int:
         """Memory held by the per-sample arrays."""
         arrays = (self.bucket_ids, self.path_blob, self.path_offsets, self.text_tokens)
-        packed = (a for a in (self.member_shard, self.member_offset, self.member_length) if a is not None)
+        members = (self.member_shard, self.member_offset, self.member_length, self.member_checksum)
+        packed = (a for a in members if a is not None)
         return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in packed)
 
 
@@ -152,7 +158,7 @@ def load_index(cache_dir: str | Path) -> CacheIndex:
     manifest, shards = load_manifest(root)
     parsed = ParsedRecords(root)
     if is_packed(manifest):  # the packed layout adds (shard, offset, length) per record
-        parsed.packed = PackedFields(shard_list(root, manifest))
+        parsed.packed = PackedFields(shard_list(root, manifest), has_checksums(manifest))
     with _cyclic_gc_paused():
         for shard in shards:
             records = _read_json(resolve_inside(root, shard, MANIFEST, "shards"), shard)
@@ -330,12 +336,14 @@ def _build_index(
     digest.update(json.dumps([s.to_json() for s in signatures]).encode())
     for array in (ids, offsets, blob):
         digest.update(np.ascontiguousarray(array).tobytes())
-    members: dict[str, np.ndarray] = {}
+    members: dict[str, np.ndarray | None] = {}
     if packed is not None:  # the shard list and member locations are part of what a resume must match
-        members = packed.arrays()
+        locations = packed.arrays()
         digest.update(shards_fingerprint(packed.shards))
-        for array in members.values():
+        for array in locations.values():
             digest.update(np.ascontiguousarray(array).tobytes())
+        # Not fingerprinted: the shard hashes already are, and a cache packed before checksums keeps its fingerprint.
+        members = {**locations, "member_checksum": packed.checksum_array()}
     return CacheIndex(
         root=root,
         manifest=manifest,

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._atomic import write_bytes_atomic
 from ..contract.signature import Signature
-from ..storage.packed import shards_from_json
+from ..storage.packed import has_checksums, shards_from_json
 from .index import MANIFEST, CacheIndex, load_index, load_manifest
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ STORE_VERSION = 1
 STORE_DIR = ".image_edit_data"
 ARRAYS = ("bucket_ids", "path_blob", "path_offsets", "text_tokens")
 PACKED_ARRAYS = ("member_shard", "member_offset", "member_length")  # packed caches only
+CHECKSUMS = "member_checksum"  # packed caches with member checksums only
 
 
 def user_cache_dir() -> Path:
@@ -96,7 +97,9 @@ def serialize(index: CacheIndex) -> bytes:
     }
     buffer = io.BytesIO()
     header_array = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
-    names = ARRAYS + (PACKED_ARRAYS if index.packed else ())
+    names = (
+        ARRAYS + (PACKED_ARRAYS if index.packed else ()) + ((CHECKSUMS,) if index.member_checksum is not None else ())
+    )
     np.savez(buffer, header=header_array, **{name: getattr(index, name) for name in names})
     return buffer.getvalue()
 
@@ -113,6 +116,8 @@ def _check_consistent(arrays: dict[str, np.ndarray], num_buckets: int) -> None:
         raise ValueError("path offsets are not increasing within the path blob")
     if "member_shard" in arrays and not all(arrays[name].shape == (n,) for name in PACKED_ARRAYS):
         raise ValueError("packed member arrays disagree with the sample count")
+    if CHECKSUMS in arrays and (arrays[CHECKSUMS].shape != (n,) or arrays[CHECKSUMS].dtype != np.uint64):
+        raise ValueError("member checksums disagree with the sample count")
 
 
 def _read_stored(path: Path, root: Path) -> CacheIndex | None:
@@ -125,6 +130,8 @@ def _read_stored(path: Path, root: Path) -> CacheIndex | None:
             arrays = {name: stored[name] for name in ARRAYS}
             if header.get("shards"):
                 arrays.update({name: stored[name] for name in PACKED_ARRAYS})
+                if has_checksums(header["manifest"]):  # a manifest that declares them must find them here
+                    arrays[CHECKSUMS] = stored[CHECKSUMS]
         signatures = tuple(
             Signature(tuple(s["target"]), tuple(tuple(c) for c in s["contexts"]))  # type: ignore[arg-type]
             for s in header["signatures"]

@@ -8,12 +8,15 @@ Per layout: steady samples/s and MB/s after the first batch of a cold and of a w
 first-batch latency cold (fresh local cache, index included), warm (cache kept) and right after a
 mid-epoch resume; and, with `--num-workers 0` (counters live in the loading process), requests and
 bytes fetched per epoch against bytes used, plus the shard cache's high-water mark against its
-budget. `--inject-latency-ms` repeats the S3 layouts with that delay before every request.
+budget. `--inject-latency-ms` repeats the S3 layouts with that delay before every request. Every
+read of a packed member is checked against its XXH3-64 checksum; the bench also times that hash
+alone over every member of the local packed cache (GB/s and microseconds per member).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
 import tempfile
@@ -23,11 +26,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..index.store import open_index
 from ..loader import ImageEditDataloaderConfig
+from .packed import member_checksum
 
 
 @dataclass
@@ -143,6 +149,32 @@ def measure(layout: Layout, args: Any) -> LayoutResult:
     )
 
 
+def checksum_cost(packed: Path) -> dict[str, float]:
+    """Hash every member of a local packed cache, timing the hash alone: XXH3-64 (what reads check) and SHA-256."""
+    index = open_index(packed)
+    assert index.member_shard is not None
+    timings = {"xxh3_64": 0.0, "sha256": 0.0}
+    loaded, data, nbytes = -1, b"", 0
+    for i in np.argsort(index.member_shard, kind="stable"):  # shard by shard, one in memory at a time
+        number, offset, length = index.member(int(i))
+        if number != loaded:
+            loaded, data = number, (packed / index.shards[number].path).read_bytes()
+        view = memoryview(data)[offset : offset + length]
+        start = time.perf_counter()
+        member_checksum(view)
+        middle = time.perf_counter()
+        hashlib.sha256(view).digest()
+        timings["xxh3_64"] += middle - start
+        timings["sha256"] += time.perf_counter() - middle
+        nbytes += length
+    members = max(len(index), 1)
+    return {
+        "gb_per_s": nbytes / max(timings["xxh3_64"], 1e-9) / 1e9,
+        "us_per_member": timings["xxh3_64"] / members * 1e6,
+        "sha256_gb_per_s": nbytes / max(timings["sha256"], 1e-9) / 1e9,
+    }
+
+
 @contextlib.contextmanager
 def endpoint(args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     """The S3 prefix to pack into and its storage options (a local moto server unless one is given)."""
@@ -167,6 +199,7 @@ def remote_bench(cache_dir: Path, args: Any, console: Console) -> dict[str, Any]
             pack_cache(cache_dir, str(packed), args.shard_bytes)
             pack_cache(cache_dir, url, args.shard_bytes, storage_options=options, staging_dir=str(scratch / "staging"))
             budget = args.shard_cache_bytes or 4 * args.shard_bytes
+            cost = checksum_cost(packed)
             results = [
                 measure(Layout("local files", str(cache_dir), {}, 0.0, scratch), args),
                 measure(Layout("local packed", str(packed), {}, 0.0, scratch), args),
@@ -181,7 +214,17 @@ def remote_bench(cache_dir: Path, args: Any, console: Console) -> dict[str, Any]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     console.print(render(results))
-    return {"remote": [asdict(r) for r in results], "shard_bytes": args.shard_bytes, "workers": workers(args)}
+    console.print(
+        f"member checksums (xxh3_64, checked on every packed read): {cost['gb_per_s']:.1f} GB/s, "
+        f"{cost['us_per_member']:.1f} us per member (hashing alone; sha256: {cost['sha256_gb_per_s']:.2f} GB/s)",
+        highlight=False,
+    )
+    return {
+        "remote": [asdict(r) for r in results],
+        "shard_bytes": args.shard_bytes,
+        "workers": workers(args),
+        "checksum": cost,
+    }
 
 
 def render(results: list[LayoutResult]) -> Table:

@@ -10,6 +10,7 @@ from urllib.parse import unquote, urlparse
 
 from ..index.index import CacheIndex
 from ..index.store import open_index
+from .damaged import DamagedShards
 from .mirror import local_dir_for, open_remote_index
 from .reader import PayloadReader
 from .remote import RemoteStore, is_url
@@ -54,7 +55,8 @@ def open_location(
     cache = None
     if remote_read == "shard_cache" and index.packed:
         cache = ShardCache(store, index.shards, directory / "shards", shard_cache_bytes)
-    return index, PayloadReader(index, store, cache)
+    # Both read modes see the shard cache directory's verdicts: a shard damaged for one process is for all.
+    return index, PayloadReader(index, store, cache, DamagedShards(directory / "shards"))
 
 
 def quarantine_default(cache_dir: str | os.PathLike[str]) -> Path | None:

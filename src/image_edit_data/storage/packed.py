@@ -6,10 +6,16 @@ index record names where its member's bytes lie, so a reader seeks straight to a
 never scans a tar header or lists a directory:
 
 ```
-metadata.json   {"layout": "packed-tar", "packed_shards": [{"path", "bytes", "sha256"}, ...], "shards": [...]}
-index record    {"cache_file": "<member name>", "shard": 3, "offset": 1536, "length": 40960, ...}
+metadata.json   {"layout": "packed-tar", "packed_shards": [{"path", "bytes", "sha256"}, ...],
+                 "member_checksum": "xxh3_64", "shards": [...]}
+index record    {"cache_file": "<member name>", "shard": 3, "offset": 1536, "length": 40960,
+                 "xxh3_64": "<16 hex digits>", ...}
 ```
-Offsets and lengths are JSON integers, kept as int64 (shards beyond 4 GiB are fine).
+Offsets and lengths are JSON integers, kept as int64 (shards beyond 4 GiB are fine). The member
+checksum is XXH3-64 of the member's bytes, written as hex (JSON numbers lose digits past 2**53)
+and kept as uint64; a reader hashes the bytes it already has for a sample and compares. Caches
+packed before checksums have no `member_checksum` key and no `xxh3_64` fields: they read as
+before, with nothing to compare.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..contract.paths import contained
 from ..errors import fail, show
@@ -32,6 +39,9 @@ SHARDS_KEY = "packed_shards"
 SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_OFFSET = 2**63 - 1
 MANIFEST = "metadata.json"
+CHECKSUM_KEY = "member_checksum"  # manifest: the algorithm of the records' member checksums
+CHECKSUM = "xxh3_64"  # the one algorithm, and the record field holding a member's checksum
+CHECKSUM_HEX = re.compile(r"[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,42 @@ class ShardInfo:
 def is_packed(manifest: Mapping[str, Any]) -> bool:
     """Whether a manifest describes a packed cache."""
     return manifest.get(LAYOUT_KEY) == LAYOUT
+
+
+def has_checksums(manifest: Mapping[str, Any]) -> bool:
+    """Whether a packed manifest declares member checksums (refusing an algorithm we do not know)."""
+    algorithm = manifest.get(CHECKSUM_KEY)
+    if algorithm is None:
+        return False
+    if algorithm != CHECKSUM:
+        fail(
+            MANIFEST,
+            CHECKSUM_KEY,
+            f"expected {CHECKSUM!r} (or no key: a cache packed before checksums), got {show(algorithm)}",
+        )
+    return True
+
+
+def member_checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum of a member's bytes (XXH3-64)."""
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def checksum_text(value: int) -> str:
+    """A checksum as the index writes it: 16 lowercase hex digits."""
+    return f"{value:016x}"
+
+
+def check_member_bytes(data: bytes | bytearray | memoryview, expected: int, display: str, source: str) -> None:
+    """Refuse a member whose bytes do not hash to its recorded checksum, naming both checksums."""
+    found = member_checksum(data)
+    if found != expected:
+        fail(
+            display,
+            CHECKSUM,
+            f"member bytes hash to {checksum_text(found)}, the index says {checksum_text(expected)} "
+            f"({source}; the shard is damaged or was replaced)",
+        )
 
 
 def shard_list(root: Path, manifest: Mapping[str, Any]) -> tuple[ShardInfo, ...]:
@@ -80,14 +126,15 @@ def shard_list(root: Path, manifest: Mapping[str, Any]) -> tuple[ShardInfo, ...]
 class PackedFields:
     """Per-record `(shard, offset, length)` of a packed cache, checked as the index records are read."""
 
-    def __init__(self, shards: tuple[ShardInfo, ...]) -> None:
+    def __init__(self, shards: tuple[ShardInfo, ...], checksums: bool = False) -> None:
         self.shards = shards
         self.shard_ids: list[int] = []
         self.offsets: list[int] = []
         self.lengths: list[int] = []
+        self.checksums: list[int] | None = [] if checksums else None
 
     def add(self, record: Mapping[str, Any], file: str, where: str) -> None:
-        """Check and keep one record's location (every member must lie inside its shard)."""
+        """Check and keep one record's location (every member must lie inside its shard) and checksum."""
         shard, offset, length = record.get("shard"), record.get("offset"), record.get("length")
         if type(shard) is not int or not 0 <= shard < len(self.shards):
             fail(file, f"{where}.shard", f"expected a shard number in [0, {len(self.shards)}), got {show(shard)}")
@@ -103,6 +150,11 @@ class PackedFields:
                 f"member bytes [{offset}, {offset + length}) end beyond shard {self.shards[shard].path} "
                 f"of {size} bytes",
             )
+        if self.checksums is not None:
+            value = record.get(CHECKSUM)
+            if type(value) is not str or not CHECKSUM_HEX.fullmatch(value):
+                fail(file, f"{where}.{CHECKSUM}", f"expected 16 lowercase hex digits, got {show(value)}")
+            self.checksums.append(int(value, 16))
         self.shard_ids.append(shard)
         self.offsets.append(offset)
         self.lengths.append(length)
@@ -114,6 +166,10 @@ class PackedFields:
             "member_offset": np.asarray(self.offsets, dtype=np.int64),
             "member_length": np.asarray(self.lengths, dtype=np.int64),
         }
+
+    def checksum_array(self) -> np.ndarray | None:
+        """[N] uint64 member checksums, or None for a cache packed without them."""
+        return None if self.checksums is None else np.asarray(self.checksums, dtype=np.uint64)
 
 
 def shards_fingerprint(shards: tuple[ShardInfo, ...]) -> bytes:

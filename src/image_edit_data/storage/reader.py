@@ -5,6 +5,12 @@ the packed layout and caches at URLs. Remote bytes (one ranged request per sampl
 anonymous in-memory file, so the payload code reads them through a descriptor as it reads a local
 file; with a local shard cache, a cached shard is read in place and a missing one falls back to a
 ranged request (the prefetcher downloads shards, readers never wait for it).
+
+Every read of a member is checked against its recorded checksum (storage/packed.py) when the cache
+has them: the member's bytes are hashed once, where the reader has them (the ranged read's result,
+or one `pread` of the member from a local shard, whose tensors the batch then reads from the page
+cache). A cache packed before checksums has nothing to compare; there a member of a shard the
+node marked damaged (storage/damaged.py) is refused rather than read by range.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from ..contract.paths import ContainedOpener
 from ..errors import fail
 from ..index.index import CacheIndex
 from ..payload.payload import OpenPayload, open_payload
+from .damaged import DamagedShards
+from .packed import check_member_bytes
 from .remote import RemoteStore
 from .shard_cache import ShardCache
 
@@ -43,10 +51,17 @@ def memory_file(data: bytes, name: str) -> tuple[int, os.stat_result]:
 class PayloadReader:
     """Opens sample payloads of a packed or remote cache (picklable: workers get their own clients)."""
 
-    def __init__(self, index: CacheIndex, store: RemoteStore | None = None, shard_cache: ShardCache | None = None):
+    def __init__(
+        self,
+        index: CacheIndex,
+        store: RemoteStore | None = None,
+        shard_cache: ShardCache | None = None,
+        damaged: DamagedShards | None = None,
+    ) -> None:
         self.index = index
         self.store = store
         self.shard_cache = shard_cache
+        self.damaged = damaged if damaged is not None or shard_cache is None else shard_cache.damaged
         self.opener = ContainedOpener(index.root)
         self.fallbacks = 0  # shard-cache misses served by a ranged request, in this process
 
@@ -70,22 +85,43 @@ class PayloadReader:
             return open_payload(f"/proc/self/fd/{opened[0]}", display, opened, remote_member(relative, len(data)))
         number, offset, length = self.index.member(idx)
         shard = self.index.shards[number]
+        expected = self.index.checksum(idx)
         if self.store is None:
             try:
                 path, descriptor, info = self.opener.open(shard.path, shard.path)
             except OSError as error:
                 fail(shard.path, "file", f"cannot be read: {error.strerror or error}")
-            return open_checked(path, descriptor, info, shard.nbytes, shard.path, display, (offset, length))
+            return open_checked(path, descriptor, info, shard.nbytes, shard.path, display, (offset, length), expected)
         if self.shard_cache is not None:
             local = self.shard_cache.open_when_cached(number, timeout=DOWNLOAD_WAIT)
             if local is not None:
                 descriptor, info = local
                 path = str(self.shard_cache.local_path(number))
-                return open_checked(path, descriptor, info, shard.nbytes, path, display, (offset, length))
+                return open_checked(path, descriptor, info, shard.nbytes, path, display, (offset, length), expected)
             self.fallbacks += 1
+        if expected is None:
+            self.refuse_if_damaged(number, display)
         data = self.store.read_range(shard.path, offset, length)
+        if expected is not None:
+            check_member_bytes(data, expected, display, "ranged read")
         descriptor, info = memory_file(data, display)
         return open_payload(f"/proc/self/fd/{descriptor}", display, (descriptor, info), (0, length))
+
+    def refuse_if_damaged(self, number: int, display: str) -> None:
+        """Refuse a member of a shard this node found damaged, in a cache with no member checksums to check it by.
+
+        With member checksums each ranged read is checked on its own, which serves a shard's intact
+        members and refuses its damaged ones whenever they are read: the outcome depends on the data only.
+        """
+        shard = self.index.shards[number]
+        if self.damaged is None or (verdict := self.damaged.find(shard)) is None:
+            return
+        fail(
+            display,
+            verdict.field,
+            f"{verdict.reason()}; the shard is marked damaged on this node ({self.damaged.path(shard)}) and "
+            "the cache has no member checksums to check a member by, so none of its members is read",
+        )
 
 
 def remote_member(relative: str, size: int) -> tuple[int, int] | None:
@@ -97,13 +133,24 @@ def open_checked(
     path: str | Path,
     descriptor: int,
     info: os.stat_result,
-    expected: int,
+    size: int,
     shard: str,
     display: str,
     member: tuple[int, int],
+    checksum: int | None = None,
 ) -> OpenPayload:
-    """Open a member of a local shard after checking the shard's size against the manifest."""
-    if info.st_size != expected:
+    """Open a member of a local shard after checking the shard's size against the manifest and the member's checksum."""
+    try:
+        if info.st_size != size:
+            fail(shard, "bytes", f"shard is {info.st_size} bytes, the manifest says {size} (truncated or replaced)")
+        if checksum is not None:
+            offset, length = member
+            try:
+                data = os.pread(descriptor, length, offset)
+            except OSError as error:
+                fail(display, "file", f"cannot be read: {error.strerror or error}")
+            check_member_bytes(data, checksum, display, f"read from {path}")
+    except BaseException:
         os.close(descriptor)
-        fail(shard, "bytes", f"shard is {info.st_size} bytes, the manifest says {expected} (truncated or replaced)")
+        raise
     return open_payload(path, display, (descriptor, info), member)

@@ -5,13 +5,15 @@ Layout of the cache directory (one per remote cache URL):
 <sha256>.tar           a complete, verified shard (named by its hash: a replaced shard is never mistaken)
 .<sha256>.<pid>.tmp    a download in progress, allocated to its full size up front so the budget counts it
 <sha256>.pin           lock file: a shared flock on it pins the shard against eviction
+<sha256>.damaged       verdict: the download failed its size or SHA-256 check (storage/damaged.py)
 .lock                  lock file serialising budget decisions between processes
 ```
 A shard appears only by `os.replace` after its size and SHA-256 were checked, so a reader never
 sees half of one; a failed or killed download leaves at most its temporary file, which the next
-process to open the cache removes once its owner is gone. Eviction removes the least recently
-used complete shards that nobody pins; a process that already opened a shard keeps reading it
-after eviction (POSIX keeps unlinked open files).
+process to open the cache removes once its owner is gone. A shard that fails the check is marked
+damaged for the whole node before its temporary file goes, and is never downloaded again.
+Eviction removes the least recently used complete shards that nobody pins; a process that already
+opened a shard keeps reading it after eviction (POSIX keeps unlinked open files).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
+from .damaged import DamagedShards, Verdict
 from .packed import ShardInfo
 from .remote import RemoteStore
 
@@ -62,6 +66,7 @@ class ShardCache:
         self._pins: dict[int, int] = {}  # shard number -> descriptor holding its shared pin lock
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.damaged = DamagedShards(self.directory)
         self.remove_orphans()
 
     def __getstate__(self) -> dict[str, object]:
@@ -188,9 +193,11 @@ class ShardCache:
         return temporary
 
     def fetch(self, number: int) -> bool:
-        """Download shard `number` unless cached; False when the budget has no room for it now."""
+        """Download shard `number` unless cached; False when the budget has no room for it now, or it is damaged."""
         if self.local_path(number).exists():
             return True
+        if self.damaged.find(self.shards[number]) is not None:
+            return False  # known damaged on this node: fetching it again would only find the same bytes
         temporary = self.reserve(number)
         if temporary is None:
             return self.local_path(number).exists()
@@ -205,15 +212,9 @@ class ShardCache:
 
                 size = self.store.download(shard.path, write)
                 if size != shard.nbytes:
-                    raise ValueError(
-                        f"{self.store.url_of(shard.path)}: bytes: shard is {size} bytes, the manifest says "
-                        f"{shard.nbytes} (truncated or replaced)"
-                    )
+                    self.refuse(number, Verdict("bytes", str(size), str(shard.nbytes)), "truncated or replaced")
                 if digest.hexdigest() != shard.sha256:
-                    raise ValueError(
-                        f"{self.store.url_of(shard.path)}: sha256: shard hashes to {digest.hexdigest()}, "
-                        f"the manifest says {shard.sha256} (damaged or replaced)"
-                    )
+                    self.refuse(number, Verdict("sha256", digest.hexdigest(), shard.sha256), "damaged or replaced")
                 stream.flush()
                 os.fsync(stream.fileno())
             with self.directory_lock():  # a rename seen half-done by a budget count would miss the shard
@@ -223,6 +224,15 @@ class ShardCache:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
+
+    def refuse(self, number: int, verdict: Verdict, what: str) -> NoReturn:
+        """Mark shard `number` damaged for the node (before its temporary file goes), then raise naming it."""
+        shard = self.shards[number]
+        self.damaged.record(shard, verdict)
+        raise ValueError(
+            f"{self.store.url_of(shard.path)}: {verdict.field}: {verdict.reason()} ({what}); marked damaged on this "
+            f"node ({self.damaged.path(shard)}): no reader here uses it whole or reads it unchecked"
+        )
 
     def remove_orphans(self) -> None:
         """Delete temporary files of downloads whose process is gone (killed mid-download)."""

@@ -3,6 +3,8 @@
 Training never scans a shard; validation does, once: it hashes every shard and reads the tar
 header block in front of each member, which must name the member and its length. A member name
 that is absolute or climbs out with `..` is reported, so extracting a shard with `tar` stays safe.
+Member checksums are checked when `cache validate` loads each sample through the reader, as in
+training (storage/reader.py), so they are not hashed a second time here.
 """
 
 from __future__ import annotations

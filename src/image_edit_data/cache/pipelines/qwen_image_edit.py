@@ -4,6 +4,9 @@ Prompt embeddings come from Qwen2.5-VL looking at the sample's condition images,
 `encode_prompt(prompt, image=...)`, after the resize the pipeline applies to them before that call:
 the aspect ratio kept at a fixed pixel area (384 x 384 for the Plus pipeline, which takes several
 images; 1024 x 1024 for the original, which takes exactly one), each side rounded to a multiple of 32.
+Neither pipeline truncates that sequence (its `max_sequence_length` argument is only checked, never
+applied), so by default neither does the cache: the first release's one condition, given to Qwen2.5-VL
+at about 1024 x 1024, is over 1,300 vision tokens, and they come before the instruction's.
 Latents are the VAE's latent mode, normalised per channel as `(z - latents_mean) / latents_std`.
 """
 
@@ -15,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from ..encoders import PromptEncoding
+from ..encoders import PromptEncoding, Truncation
 from ..hf_encoders import TorchDtype
 from ..pipeline_encoders import DiffusersPipelineEncoder
 
@@ -37,8 +40,10 @@ def condition_size(width: int, height: int, area: int) -> tuple[int, int]:
 class QwenImageEditEncoder(DiffusersPipelineEncoder):
     """Qwen-Image-Edit latents and Qwen2.5-VL prompt embeddings conditioned on the sample's condition images.
 
-    Each prompt gives `[S, D]` embeddings (S real tokens after the pipeline drops its system template,
-    at most `max_sequence_length`) and an all-ones int64 mask `[S]`. Prompts are encoded one at a time,
+    Each prompt gives `[S, D]` embeddings (the S real tokens the pipeline gives its transformer: vision
+    tokens, then the instruction, after it drops its system template) and an all-ones int64 mask `[S]`.
+    A `max_sequence_length` cap keeps only the first tokens of a longer prompt and reports the cut
+    (`PromptEncoding.truncations`; the build warns and records it). Prompts are encoded one at a time,
     as the pipeline does: each sample brings its own images. No conditioning tensors are returned.
     """
 
@@ -50,14 +55,15 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
         path: str,
         torch_dtype: TorchDtype = "bfloat16",
         device: str = "cpu",
-        max_sequence_length: int = 1024,
+        max_sequence_length: int | None = None,
     ) -> None:
         """
         Args:
             path: Local Qwen-Image-Edit pipeline directory (e.g. a download of Qwen/Qwen-Image-Edit-2511).
             torch_dtype: Dtype the VAE and Qwen2.5-VL run in; results are returned in float32.
             device: Where the models run, e.g. `cuda` (under torchrun the build selects the local GPU).
-            max_sequence_length: Prompt tokens kept (the pipeline accepts up to 1024; NeMo's preprocessor keeps 512).
+            max_sequence_length: None (the default) keeps every token, as the pipeline does; a number cuts longer
+                prompts there, with a warning and a record per cut sample (NeMo's preprocessor cuts at 512).
         """
         super().__init__(path, torch_dtype, device, max_sequence_length)
         self.condition_area = CONDITION_AREA[type(self.pipeline).__name__]
@@ -90,7 +96,7 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
         return resized
 
     def encode_batch(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]:
-        """Each prompt with its resized condition images through `encode_prompt`, truncated to `max_sequence_length`."""
+        """Each prompt with its resized condition images through `encode_prompt`; a cap cuts, and reports it."""
         results = []
         for prompt, images in zip(prompts, conditions):
             if not images:
@@ -101,16 +107,20 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
                     f"for prompt {prompt!r} (QwenImageEditPlusPipeline takes several)"
                 )
             resized = [self.resize_condition(image) for image in images]
+            # max_sequence_length is not passed: encode_prompt ignores it, and its __call__ only checks it.
             embeddings, mask = self.pipeline.encode_prompt(
                 prompt=[prompt],
                 image=resized[0] if self.single_condition else resized,
                 device=self.device,
                 num_images_per_prompt=1,
-                max_sequence_length=self.max_sequence_length,
             )
-            embeddings = embeddings[0, : self.max_sequence_length]
+            length = embeddings.shape[1]
             # The pipeline returns no mask when every position is a real token.
-            length = embeddings.shape[0]
-            kept = torch.ones(length, dtype=torch.int64) if mask is None else mask[0, :length]
-            results.append(PromptEncoding(embeddings, kept))
+            real = torch.ones(length, dtype=torch.int64) if mask is None else mask[0]
+            cap = self.max_sequence_length
+            if cap is None or length <= cap:
+                results.append(PromptEncoding(embeddings[0], real))
+                continue
+            cut = Truncation("Qwen2.5-VL", length, cap, f"max_sequence_length {cap}")
+            results.append(PromptEncoding(embeddings[0, :cap], real[:cap], truncations=(cut,)))
         return results
