@@ -253,3 +253,23 @@ def test_one_worker_pool_serves_every_pass_and_a_fork_free_start_never_forks_the
         recording.clear()
         loader.close()
     assert not workers_of_pass[0] & {p.pid for p in multiprocessing.active_children()}  # close() stopped them
+
+
+def test_a_loader_that_fails_to_build_leaves_lightning_unpatched_and_a_later_fit_runs(
+    tmp_path: Path, cache: Path
+) -> None:
+    """Lightning 2.6 restores `DataLoader.__setattr__` only when its loader request returns.
+
+    Our hooks never raise inside that request: the error comes at Lightning's first use of the loader.
+    """
+    from torch.utils.data import DataLoader
+
+    broken = data(cache)
+    broken.batch_size = 0  # a bad value that only the loader's build checks
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
+        trainer(tmp_path / "broken", max_epochs=1).fit(RecordingModel(str(tmp_path)), datamodule=broken)
+    assert "__old__setattr__" not in DataLoader.__dict__ and "__old__init__" not in DataLoader.__dict__
+    good = tmp_path / "good"
+    good.mkdir()
+    trainer(good, max_epochs=1).fit(RecordingModel(str(good)), datamodule=data(cache))
+    assert len(trained(good)) == 15

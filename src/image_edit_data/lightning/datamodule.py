@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 
@@ -23,7 +24,7 @@ from ..loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from ..sampling.resume import restore
 from ..sampling.sampler import BucketBatchSampler, ResumeMismatchError, migrate_state
 from ..storage.location import local_path_of
-from .loader import LightningLoader
+from .loader import FailedLoader, LightningLoader
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,15 @@ def write_demo_cache(directory: str, num_samples: int, seed: int) -> None:
 
 
 ResumeMismatch = Literal["raise", "restart_epoch"]
+Built = TypeVar("Built")
+
+
+def built_or_failed(build: Callable[[], Built]) -> Built | FailedLoader:
+    """`build()`, or a loader that raises its error at first use: never raise inside Lightning's loader request."""
+    try:
+        return build()
+    except Exception as error:
+        return FailedLoader(error)
 
 
 class ImageEditDataModule(pl.LightningDataModule):
@@ -115,8 +125,11 @@ class ImageEditDataModule(pl.LightningDataModule):
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
 
-    def train_dataloader(self) -> LightningLoader:
+    def train_dataloader(self) -> LightningLoader | FailedLoader:
         """This rank's training loader, positioned at the restored or current epoch."""
+        return built_or_failed(self._train_loader)
+
+    def _train_loader(self) -> LightningLoader:
         if self.train_dataset is None:
             self.setup("fit")
         built = self._build_train()
@@ -172,14 +185,20 @@ class ImageEditDataModule(pl.LightningDataModule):
         trainer: Any = self.trainer
         return int(trainer.fit_loop.epoch_progress.current.processed) if trainer is not None else 0
 
-    def val_dataloader(self) -> LightningLoader | list:
+    def val_dataloader(self) -> LightningLoader | FailedLoader | list:
         """Validation loader: fixed order, no rank padding, batches dealt round-robin to ranks."""
+        return built_or_failed(self._val_loader)
+
+    def _val_loader(self) -> LightningLoader | list:
         if self.val_dataset is None and self.val_cache_dir:
             self.setup("validate")
         return self.eval_loader() if self.val_dataset is not None else []
 
-    def test_dataloader(self) -> LightningLoader:
+    def test_dataloader(self) -> LightningLoader | FailedLoader:
         """Test loader over `val_cache_dir` (or the training cache when none is set)."""
+        return built_or_failed(self._test_loader)
+
+    def _test_loader(self) -> LightningLoader:
         if self.val_dataset is None:
             self.setup("test")
         return self.eval_loader()

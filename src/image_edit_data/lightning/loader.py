@@ -9,7 +9,7 @@ is left alone with default Trainer flags, so this thin wrapper is what makes
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from ..contract.batch import Batch
 from ..loader import ResumableDataLoader
@@ -71,3 +71,30 @@ class LightningLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Ignore Lightning's loader state (see `state_dict`)."""
+
+
+class FailedLoader:
+    """Stands in for a loader that could not be built and raises that error at Lightning's first use of it.
+
+    Lightning 2.6 requests loaders with `DataLoader.__init__`/`__setattr__` patched and restores them
+    only when the request returns: an error raised inside it leaves them patched for the rest of the
+    process, and every later loader then keeps its iterators alive. Lightning's first use (it probes
+    `iter()` right after the request, past its rank barrier) raises the error outside the patch.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def _raise(self) -> NoReturn:
+        if isinstance(self.error, TypeError):  # Lightning reads a TypeError from iter() as "not a loader"
+            raise RuntimeError(f"building the loader failed: {self.error}") from self.error
+        raise self.error
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._raise()
+
+    def __len__(self) -> int:
+        self._raise()
+
+    def close(self) -> None:
+        """Nothing to shut down."""
