@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from torch.utils.data import Dataset
@@ -50,11 +50,12 @@ def workers_cpu_seconds(pids: list[int]) -> tuple[float, float]:
     return main_threads, other_threads
 
 
-def per_batch(label: str, batches: Iterator[Any], count: int, warmup: int = 10) -> None:
+def per_batch(label: str, loader: Iterable[Any], count: int, warmup: int = 10) -> None:
     """Print wall time and CPU time per batch (training process, workers) over `count` batches."""
+    batches = iter(loader)
     for _ in range(warmup):
         next(batches)
-    pids = worker_pids(batches)
+    pids = worker_pids(batches, loader)
     workers_before, main_before, start = workers_cpu_seconds(pids), time.process_time(), time.perf_counter()
     for _ in range(count):
         next(batches)
@@ -83,13 +84,13 @@ def main() -> None:
         for _ in range(args.batches + 10):
             next(warm)
         del warm
-        per_batch(f"ours, {workers} workers", iter(config.build(**build).dataloader), args.batches)
+        per_batch(f"ours, {workers} workers", config.build(**build).dataloader, args.batches)
     for workers in [w for w in args.num_workers if w > 0]:
         plan = [list(range(i * args.batch_size, (i + 1) * args.batch_size)) for i in range(args.batches + 20)]
         empty = StatefulDataLoader(
             EmptyBatches(), batch_sampler=plan, collate_fn=lambda batch: batch, num_workers=workers
         )
-        per_batch(f"torch's hand-off alone, {workers} workers", iter(empty), args.batches)
+        per_batch(f"torch's hand-off alone, {workers} workers", empty, args.batches)
 
 
 if __name__ == "__main__":

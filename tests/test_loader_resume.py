@@ -18,6 +18,7 @@ import torch
 from cachefactory import tiny_cache
 
 from image_edit_data import ImageEditDataloaderConfig, ResumeMismatchError
+from image_edit_data.sampling.resume import sampler_state_of
 
 BATCH = 2
 PREFETCH = 2
@@ -70,10 +71,20 @@ def as_checkpointed(state: dict[str, Any]) -> dict[str, Any]:
     return torch.load(buffer, weights_only=True)
 
 
+# How a training loop restores: the loader's state (our README), the sampler's alone, or NeMo Automodel's
+# recipe, which saves every stateful object it tracks and loads the loader's state, then the sampler's.
+PATTERNS = ("loader", "sampler", "loader_then_sampler")
+
+
 def run_until_cut(
-    cfg: ImageEditDataloaderConfig, rank: int, world: int, epoch: int, cut: str, then_next_epoch: bool = False
+    cfg: ImageEditDataloaderConfig,
+    rank: int,
+    world: int,
+    epoch: int,
+    cut: str,
+    then_next_epoch: bool = False,
 ) -> tuple[list[list[int]], dict[str, Any]]:
-    """Train `epoch` up to `cut`, save the loader's state there; returns (batches trained, state)."""
+    """Train `epoch` up to `cut`, save the loader's and the sampler's state; returns (batches trained, states)."""
     built = cfg.build(dp_rank=rank, dp_world_size=world, batch_size=BATCH)
     built.sampler.set_epoch(epoch)
     iterator = iter(built.dataloader)
@@ -82,19 +93,25 @@ def run_until_cut(
         seen.extend(ids(b) for b in iterator)  # the loop runs into StopIteration
         if then_next_epoch:
             built.sampler.set_epoch(epoch + 1)
-    state = as_checkpointed(built.dataloader.state_dict())
+    state = as_checkpointed({"loader": built.dataloader.state_dict(), "sampler": built.sampler.state_dict()})
     del iterator
     return seen, state
+
+
+def restored_as(state: dict[str, Any], pattern: str) -> dict[str, Any]:
+    """The saved objects `pattern` restores, in its order."""
+    return {key: state[key] for key in pattern.split("_then_")}
 
 
 def resume(
     cfg: ImageEditDataloaderConfig, rank: int, world: int, state: dict[str, Any], epochs: range, set_first: bool = False
 ) -> list[list[int]]:
-    """A fresh loader restored from `state`, run through `epochs` the usual way."""
+    """A fresh loader restored from `state` (each saved object in the order saved), run through `epochs`."""
     built = cfg.build(dp_rank=rank, dp_world_size=world, batch_size=BATCH)
     if set_first:
         built.sampler.set_epoch(epochs[0])
-    built.dataloader.load_state_dict(state)
+    for key, saved in state.items():
+        (built.dataloader if key == "loader" else built.sampler).load_state_dict(saved)
     out = []
     for epoch in epochs:
         built.sampler.set_epoch(epoch)
@@ -110,15 +127,16 @@ def flat(epochs: tuple[list[list[int]], ...], first: int, last: int) -> list[lis
 @pytest.mark.parametrize("epoch", [0, 1])
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_loader_resumes_exactly_at_every_cut_point(
+def test_loader_resumes_exactly_at_every_cut_point_whichever_state_is_restored(
     cache_dir: Path, num_workers: int, world: int, epoch: int, cut: str
 ) -> None:
     cfg = config(cache_dir, num_workers)
     for rank in range(world):
         expected = baseline(cache_dir, rank, world)
         seen, state = run_until_cut(cfg, rank, world, epoch, cut)
-        rest = resume(cfg, rank, world, state, range(epoch, epoch + 3))
-        assert seen + rest == flat(expected, epoch, epoch + 2), f"rank {rank}"
+        for pattern in PATTERNS:
+            rest = resume(cfg, rank, world, restored_as(state, pattern), range(epoch, epoch + 3))
+            assert seen + rest == flat(expected, epoch, epoch + 2), f"rank {rank}, restoring {pattern}"
 
 
 @pytest.mark.parametrize("then_next_epoch", [False, True])
@@ -134,8 +152,9 @@ def test_a_state_saved_after_the_epoch_loop_resumes_into_the_next_epoch_fresh(
         expected = baseline(cache_dir, rank, world)
         seen, state = run_until_cut(cfg, rank, world, epoch, "loop_ended", then_next_epoch=then_next_epoch)
         assert seen == expected[epoch]
-        rest = resume(cfg, rank, world, state, range(epoch + 1, epoch + 3))
-        assert rest == flat(expected, epoch + 1, epoch + 2), f"rank {rank}"
+        for pattern in PATTERNS:
+            rest = resume(cfg, rank, world, restored_as(state, pattern), range(epoch + 1, epoch + 3))
+            assert rest == flat(expected, epoch + 1, epoch + 2), f"rank {rank}, restoring {pattern}"
 
 
 @pytest.mark.parametrize("cut", ["mid", "after_last", "loop_ended"])
@@ -144,7 +163,7 @@ def test_set_epoch_before_load_state_dict_means_the_same(cache_dir: Path, num_wo
     cfg = config(cache_dir, num_workers)
     expected = baseline(cache_dir, 0, 1)
     seen, state = run_until_cut(cfg, 0, 1, 1, cut)
-    rest = resume(cfg, 0, 1, state, range(1, 4), set_first=True)
+    rest = resume(cfg, 0, 1, restored_as(state, "loader"), range(1, 4), set_first=True)
     assert seen + rest == flat(expected, 1, 3)
 
 
@@ -153,7 +172,7 @@ def test_set_epoch_before_load_state_dict_means_the_same(cache_dir: Path, num_wo
 def test_num_workers_may_change_across_a_resume(cache_dir: Path, saved_with: int, resumed_with: int, cut: str) -> None:
     expected = baseline(cache_dir, 1, 2)
     seen, state = run_until_cut(config(cache_dir, saved_with), 1, 2, 1, cut)
-    rest = resume(config(cache_dir, resumed_with), 1, 2, state, range(1, 4))
+    rest = resume(config(cache_dir, resumed_with), 1, 2, restored_as(state, "loader"), range(1, 4))
     assert seen + rest == flat(expected, 1, 3)
 
 
@@ -162,14 +181,16 @@ def test_without_set_epoch_a_state_at_an_epochs_end_finishes_that_epoch_then_mov
     expected = baseline(cache_dir, 0, 1)
     _, state = run_until_cut(cfg, 0, 1, 0, "after_last")
     built = cfg.build(dp_rank=0, dp_world_size=1, batch_size=BATCH)
-    built.dataloader.load_state_dict(state)
+    built.dataloader.load_state_dict(state["loader"])
     passes = [[ids(b) for b in built.dataloader] for _ in range(3)]
     assert passes == [[], expected[1], expected[2]]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_the_samplers_own_state_counts_batches_handed_to_workers(cache_dir: Path, num_workers: int) -> None:
-    """`sampler.state_dict()` runs ahead by up to num_workers x prefetch_factor batches; the loader's does not."""
+def test_the_samplers_state_counts_only_batches_consumed_and_equals_the_loaders(
+    cache_dir: Path, num_workers: int
+) -> None:
+    """Workers run up to num_workers x prefetch_factor batches ahead; neither state counts those."""
     cfg = config(cache_dir, num_workers)
     built = cfg.build(dp_rank=0, dp_world_size=1, batch_size=BATCH)
     built.sampler.set_epoch(0)
@@ -177,9 +198,43 @@ def test_the_samplers_own_state_counts_batches_handed_to_workers(cache_dir: Path
     trained = [ids(next(iterator)) for _ in range(6)]
     sampler_state, loader_state = built.sampler.state_dict(), built.dataloader.state_dict()
     del iterator
-    assert sampler_state["consumed"] - len(trained) == num_workers * PREFETCH
-    rest = resume(cfg, 0, 1, loader_state, range(0, 1))
+    assert sampler_state["consumed"] == len(trained)
+    assert sampler_state == sampler_state_of(loader_state)
+    rest = resume(cfg, 0, 1, {"sampler": sampler_state}, range(0, 1))
     assert trained + rest == baseline(cache_dir, 0, 1)[0]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pass_broken_off_continues_at_the_first_batch_not_consumed(cache_dir: Path, num_workers: int) -> None:
+    """Batches prefetched by an abandoned pass come again in the next pass of the same epoch."""
+    built = config(cache_dir, num_workers).build(dp_rank=0, dp_world_size=1, batch_size=BATCH)
+    for _ in range(2):
+        built.sampler.set_epoch(0)
+        first = []
+        for batch in built.dataloader:
+            first.append(ids(batch))
+            if len(first) == 3:
+                break
+        built.sampler.set_epoch(0)
+        rest = [ids(b) for b in built.dataloader]
+        assert first + rest == baseline(cache_dir, 0, 1)[0]
+        built.sampler.set_epoch(1)  # the second round: the same with the pool reused, from a fresh epoch
+        assert [ids(b) for b in built.dataloader] == baseline(cache_dir, 0, 1)[1]
+        built.sampler.advance_epoch(0)
+
+
+@pytest.mark.parametrize("saved_with_workers", [False, True])
+def test_a_loader_state_in_torchdatas_form_still_resumes(cache_dir: Path, saved_with_workers: bool) -> None:
+    """Loaders before 0.2 saved torchdata's own state; its sampler snapshot is the consumed position."""
+    cfg = config(cache_dir, 0)
+    seen, state = run_until_cut(cfg, 0, 1, 1, "mid")
+    sampler_state = state["sampler"]
+    if saved_with_workers:
+        old = {"_snapshot": {"_main_snapshot": {"_index_sampler_state": sampler_state}}, "_steps_since_snapshot": 0}
+    else:
+        old = {"_index_sampler_state": sampler_state, "_num_yielded": sampler_state["consumed"]}
+    rest = resume(cfg, 0, 1, {"loader": old}, range(1, 3))
+    assert seen + rest == flat(baseline(cache_dir, 0, 1), 1, 2)
 
 
 @pytest.mark.parametrize(
@@ -201,4 +256,4 @@ def test_a_loader_state_from_another_world_size_is_refused(cache_dir: Path) -> N
     _, state = run_until_cut(config(cache_dir, 2), 0, 2, 0, "mid")
     built = config(cache_dir, 0).build(dp_rank=0, dp_world_size=1, batch_size=BATCH)
     with pytest.raises(ResumeMismatchError, match="world_size: checkpoint 2, now 1"):
-        built.dataloader.load_state_dict(state)
+        built.dataloader.load_state_dict(state["loader"])

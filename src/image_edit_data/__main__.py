@@ -33,6 +33,12 @@ def _bench(command: str, rest: list[str], from_shell: bool) -> int:
     return bench_main(rest)
 
 
+def _stress(command: str, rest: list[str], from_shell: bool) -> int:
+    from .bench.stress import stress_main
+
+    return stress_main(rest)
+
+
 @dataclass(frozen=True)
 class Command:
     """One top-level command: what the usage shows after its name, its summary, and what runs it."""
@@ -50,6 +56,7 @@ COMMANDS: dict[str, Command] = {
     "cache": Command("SUBCOMMAND", "build, check and rewrite caches:", _cache),
     "demo-cache": Command("OUT_DIR", "write the procedural demo cache (no downloads, CPU only)", _demo_cache),
     "bench": Command("CACHE_DIR", "measure open time, index memory, samples/s and worker memory on your cache", _bench),
+    "stress": Command("[--epochs N]", "DDP fits with loader workers over many epoch changes: hangs and time", _stress),
 }
 
 

@@ -16,6 +16,7 @@ from .contract.batch import Sample, SkippedSample
 from .contract.paths import ContainedOpener
 from .contract.signature import Signature
 from .index.index import CacheIndex
+from .loading import watch
 from .payload.corrupt import CorruptPolicy, SkipLog
 from .payload.payload import OpenPayload, materialized, open_payload
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, local_path_of, open_location
@@ -77,14 +78,16 @@ class ImageEditDataset(Dataset):
         reports what was dropped and, for batches from our sampler, `position` (epoch and step in
         the epoch plan).
         """
+        step = getattr(indices, "step", None)  # a `PlannedBatch` from our sampler knows its place in the plan
+        position = None if step is None else (int(indices.epoch), int(step))  # type: ignore[attr-defined]
+        watch.batch_started(position)
         opened, skipped = self.open_batch([self.checked_index(i) for i in indices])
         try:
             samples = [sample for sample, _ in opened]
-            step = getattr(indices, "step", None)  # a `PlannedBatch` from our sampler knows its place in the plan
-            position = None if step is None else (int(indices.epoch), int(step))  # type: ignore[attr-defined]
             return AssembledBatch(collate_image_edit(samples, position=position, skipped=skipped), samples)
         finally:
             close_all(opened)
+            watch.batch_finished()
 
     def checked_index(self, idx: int) -> int:
         """`idx` as a non-negative index, or an IndexError."""

@@ -3,68 +3,24 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .batch.collate import collate_image_edit
 from .dataset import ImageEditDataset
+from .loading.resumable import ResumableDataLoader
+from .loading.start import DEFAULT_WORKER_START, WorkerStart, worker_context
 from .payload.corrupt import CorruptPolicy
 from .sampling.plan import BucketOrder
-from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError, check_rank
+from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, quarantine_default
 from .storage.prefetch import ShardPrefetcher
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-
-
-class ResumableDataLoader(StatefulDataLoader):
-    """A StatefulDataLoader whose saved state resumes through our sampler alone.
-
-    `state_dict()` is torchdata's. `load_state_dict()` takes the sampler's position out of it and
-    restores the sampler at once; torchdata is handed no state. Our dataset and collate keep no
-    state of their own, so the sampler's position is the whole resume state, and this way a state
-    saved with any `num_workers` loads into a loader with any other, and a state saved at an
-    epoch's end cannot leave torchdata replaying or skipping prefetched batches.
-    """
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the sampler from a state this loader class saved (with any `num_workers`)."""
-        super().load_state_dict({})  # drop any live iterator; the next iter() starts from the sampler
-        if state_dict:
-            self.batch_sampler.load_state_dict(sampler_state_of(state_dict))
-
-    def close(self) -> None:
-        """Shut this loader's worker processes down now; the next `iter()` starts a new pass."""
-        # torchdata's public way to drop the live iterator, whose finaliser stops its workers.
-        super().load_state_dict({})
-
-
-def sampler_state_of(loader_state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The batch sampler's state inside a torchdata loader state (taken with or without workers)."""
-    if not isinstance(loader_state, Mapping):
-        raise ResumeMismatchError(f"cannot resume: a loader state is a dict, got {type(loader_state).__name__}")
-    if "_snapshot" in loader_state:  # saved with workers: the snapshot of the last batch handed out
-        if loader_state.get("_steps_since_snapshot", 0) != 0:
-            raise ResumeMismatchError(
-                "cannot resume: the loader state was saved between torchdata snapshots "
-                f"({loader_state['_steps_since_snapshot']} steps after one); save it from a loader built by "
-                "ImageEditDataloaderConfig.build(), which snapshots every batch"
-            )
-        state = loader_state["_snapshot"].get("_main_snapshot", {}).get("_index_sampler_state")
-    else:  # saved without workers
-        state = loader_state.get("_index_sampler_state")
-    if state is None:
-        raise ResumeMismatchError(
-            "cannot resume: not the state_dict() of an image-edit-data loader (no sampler state in keys "
-            f"{sorted(loader_state)}); pass what built.dataloader.state_dict() returned"
-        )
-    return state
 
 
 class DiffusionDataloaderBuild(NamedTuple):
@@ -122,6 +78,10 @@ class ImageEditDataloaderConfig:
     """Pin batches in page-locked memory (only when CUDA is available)."""
     prefetch_factor: int = 2
     """Batches each worker loads ahead."""
+    multiprocessing_context: WorkerStart = DEFAULT_WORKER_START
+    """How worker processes start: "forkserver" (never forks the training process), "spawn" or "fork"."""
+    worker_timeout: float = 600.0
+    """Seconds a worker may take to start or to load one batch before the loader raises, naming it (0: wait forever)."""
     seed: int = 42
     """Seed of every shuffle; the same on all ranks."""
     bucket_order: BucketOrder = "interleaved"
@@ -187,6 +147,8 @@ class ImageEditDataloaderConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be non-negative, got {self.num_workers}")
+        if self.worker_timeout < 0:
+            raise ValueError(f"worker_timeout must be non-negative (0 waits forever), got {self.worker_timeout}")
         if dataset is None:
             dataset = self.open_dataset()
         if len(dataset) == 0:
@@ -218,14 +180,16 @@ class ImageEditDataloaderConfig:
             shard_of = dataset.index.member_shard
             assert shard_of is not None  # a shard cache exists only for packed caches
             sampler.observer = ShardPrefetcher(reader.shard_cache, shard_of, 2 * in_flight + 4, in_flight)
+        worker_context(self.multiprocessing_context)  # checks the name even without workers
         workers: dict[str, Any] = {}
         if self.num_workers > 0:
-            workers = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False}
+            workers = {"prefetch_factor": self.prefetch_factor, "worker_start": self.multiprocessing_context}
         loader = ResumableDataLoader(
             dataset,
             batch_sampler=sampler,
             collate_fn=collate_image_edit,
             num_workers=self.num_workers,
+            worker_timeout=self.worker_timeout,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             # Our own generator: worker seeds then never draw from (or disturb) torch's global RNG.
             generator=torch.Generator().manual_seed(self.seed),

@@ -201,13 +201,21 @@ class Run:
         }
 
 
-def worker_pids(iterator: object) -> list[int]:
-    """PIDs of a multi-process DataLoader iterator's workers (none for an in-process one)."""
-    return [int(worker.pid) for worker in getattr(iterator, "_workers", [])]
+def worker_pids(iterator: object, loader: object) -> list[int]:
+    """PIDs of a multi-process DataLoader's workers (none for an in-process one).
+
+    Torch's iterator holds them; our loader's passes hand out batches through a generator, and its
+    persistent pool's iterator stays on the loader.
+    """
+    holder = iterator if hasattr(iterator, "_workers") else getattr(loader, "_iterator", None)
+    return [int(worker.pid) for worker in getattr(holder, "_workers", [])]
 
 
 def shut_down(loader: object) -> None:
     """Stop the workers a DataLoader keeps between epochs (`persistent_workers`); others stop with their iterator."""
+    if hasattr(loader, "close"):  # ours: its public way
+        loader.close()
+        return
     iterator = getattr(loader, "_iterator", None)
     if iterator is not None and hasattr(iterator, "_shutdown_workers"):
         iterator._shutdown_workers()
@@ -239,7 +247,7 @@ def timed_batches(
     iterator = iter(batches)
     for _ in range(warmup):
         next(iterator)
-    pids = worker_pids(iterator)
+    pids = worker_pids(iterator, batches)
     before = [private_bytes(pid) for pid in pids]
     measured = plan[warmup:]
     load = load_average()

@@ -37,7 +37,7 @@ def _epoch_worker_memory(
     iterator = iter(dataloader)
     for _ in range(warmup):
         next(iterator)
-    pids = worker_pids(iterator)
+    pids = worker_pids(iterator, dataloader)
     start = [private_bytes(pid) for pid in pids]
     highest = list(start)
     every = max(1, (batches - warmup) // CHECKS)

@@ -1,27 +1,30 @@
 """`ImageEditDataModule`: dataset, bucket sampler and collate behind Lightning's hooks, resumable.
 
-The DataModule is the one owner of the data position. Its `state_dict()` records the epoch and
-the batches *trained on* (the plan position of the last batch handed to Lightning, which never
-counts prefetched batches) plus a fingerprint of the cache and data config; `load_state_dict()` keeps it until
-`train_dataloader()` builds the sampler at that position. The loader itself reports no state,
-so Lightning's own loader restore cannot skip the same batches a second time.
+The DataModule is the one owner of the data position. Its `state_dict()` is the sampler's: the
+epoch and the batches *trained on* (the loader moves it as it hands a batch to Lightning, so it
+never counts prefetched batches; `sampling/resume.py`) plus a fingerprint of the cache and data
+config; `load_state_dict()` keeps it until `train_dataloader()` builds the sampler at that
+position. The loader itself reports no state, so Lightning's own loader restore cannot skip the
+same batches a second time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 
 from ..dataset import ImageEditDataset
 from ..index.index import MANIFEST
 from ..loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
-from ..sampling.sampler import ResumeMismatchError, migrate_state
+from ..sampling.resume import restore
+from ..sampling.sampler import BucketBatchSampler, ResumeMismatchError, migrate_state
 from ..storage.location import local_path_of
-from .loader import LightningLoader
+from .loader import FailedLoader, LightningLoader
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,15 @@ def write_demo_cache(directory: str, num_samples: int, seed: int) -> None:
 
 
 ResumeMismatch = Literal["raise", "restart_epoch"]
+Built = TypeVar("Built")
+
+
+def built_or_failed(build: Callable[[], Built]) -> Built | FailedLoader:
+    """`build()`, or a loader that raises its error at first use: never raise inside Lightning's loader request."""
+    try:
+        return build()
+    except Exception as error:
+        return FailedLoader(error)
 
 
 class ImageEditDataModule(pl.LightningDataModule):
@@ -113,8 +125,11 @@ class ImageEditDataModule(pl.LightningDataModule):
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
 
-    def train_dataloader(self) -> LightningLoader:
+    def train_dataloader(self) -> LightningLoader | FailedLoader:
         """This rank's training loader, positioned at the restored or current epoch."""
+        return built_or_failed(self._train_loader)
+
+    def _train_loader(self) -> LightningLoader:
         if self.train_dataset is None:
             self.setup("fit")
         built = self._build_train()
@@ -138,22 +153,17 @@ class ImageEditDataModule(pl.LightningDataModule):
         built.sampler.max_batches = self.batch_limit(len(built.sampler))
         return built
 
-    def restore_position(self, sampler: Any, state: dict[str, Any], log_restart: bool = True) -> None:
+    def restore_position(self, sampler: BucketBatchSampler, state: dict[str, Any], log_restart: bool = True) -> None:
         """Apply a checkpointed position, or restart the epoch when the user chose to reshuffle."""
         try:
-            sampler.load_state_dict(state)
-            if sampler.epoch_finished:
-                # Lightning moves on to the next epoch without a new iterator, so start it here.
-                sampler.advance_epoch(sampler.epoch + 1)
+            restarted = restore(sampler, state, restart_on_mismatch=self.on_resume_mismatch == "restart_epoch")
         except ResumeMismatchError as error:
-            if self.on_resume_mismatch == "raise":
-                raise ResumeMismatchError(
-                    f"{error}. To continue anyway with a fresh shuffle of epoch {state['epoch']}, "
-                    "set on_resume_mismatch='restart_epoch' on the data module."
-                ) from None
-            if log_restart:
-                log.warning("%s; restarting epoch %s as on_resume_mismatch='restart_epoch' asks", error, state["epoch"])
-            sampler.advance_epoch(int(state["epoch"]))
+            raise ResumeMismatchError(
+                f"{error}. To continue anyway with a fresh shuffle of epoch {state['epoch']}, "
+                "set on_resume_mismatch='restart_epoch' on the data module."
+            ) from None
+        if restarted and log_restart:
+            log.warning("%s; restarting epoch %s as on_resume_mismatch='restart_epoch' asks", restarted, state["epoch"])
 
     def batch_limit(self, batches: int) -> int | None:
         """Batches Lightning will take per epoch under `limit_train_batches`, so the sampler ends there too."""
@@ -175,14 +185,20 @@ class ImageEditDataModule(pl.LightningDataModule):
         trainer: Any = self.trainer
         return int(trainer.fit_loop.epoch_progress.current.processed) if trainer is not None else 0
 
-    def val_dataloader(self) -> LightningLoader | list:
+    def val_dataloader(self) -> LightningLoader | FailedLoader | list:
         """Validation loader: fixed order, no rank padding, batches dealt round-robin to ranks."""
+        return built_or_failed(self._val_loader)
+
+    def _val_loader(self) -> LightningLoader | list:
         if self.val_dataset is None and self.val_cache_dir:
             self.setup("validate")
         return self.eval_loader() if self.val_dataset is not None else []
 
-    def test_dataloader(self) -> LightningLoader:
+    def test_dataloader(self) -> LightningLoader | FailedLoader:
         """Test loader over `val_cache_dir` (or the training cache when none is set)."""
+        return built_or_failed(self._test_loader)
+
+    def _test_loader(self) -> LightningLoader:
         if self.val_dataset is None:
             self.setup("test")
         return self.eval_loader()
@@ -214,23 +230,13 @@ class ImageEditDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Epoch, batches trained on and fingerprint: the same on every rank, as rank 0's is the one saved.
 
-        The position is that of the last batch the loader handed to Lightning (which trains every batch
-        it takes before taking the next), so it never counts batches that workers merely prefetched and
+        The position counts the batches the loader handed to Lightning (which trains every batch it
+        takes before taking the next), so it never counts batches that workers merely prefetched and
         does not depend on Lightning's epoch counters.
         """
         if self.train_loader is None:
             return {}
-        sampler = self.train_loader.batch_sampler
-        state = sampler.state_dict()
-        position = self.train_loader.position
-        if position is None:
-            return state  # nothing iterated yet: the sampler's own position is exact
-        if position[0] == sampler.epoch:
-            state["consumed"] = position[1]
-        else:
-            # The sampler only moves past an epoch that ended; no batch of its next epoch was trained yet.
-            state["consumed"], state["history"] = 0, []
-        return state
+        return self.train_loader.batch_sampler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keep a checkpointed position until `train_dataloader()` builds the sampler; refuse a mismatch now.

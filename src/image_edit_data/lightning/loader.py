@@ -9,7 +9,7 @@ is left alone with default Trainer flags, so this thin wrapper is what makes
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from ..contract.batch import Batch
 from ..loader import ResumableDataLoader
@@ -17,12 +17,11 @@ from ..sampling.sampler import BucketBatchSampler
 
 
 class LightningLoader:
-    """Iterates a StatefulDataLoader; exposes its sampler so Lightning's `set_epoch` reaches it."""
+    """Iterates a ResumableDataLoader; exposes its sampler so Lightning's `set_epoch` reaches it."""
 
     def __init__(self, loader: ResumableDataLoader, sampler: BucketBatchSampler) -> None:
         self.loader = loader
         self.batch_sampler = sampler
-        self.position: tuple[int, int] | None = None  # (epoch, batches of it handed to training)
         self._batches: Generator[Batch, None, None] | None = None
 
     @property
@@ -41,22 +40,20 @@ class LightningLoader:
         return max(len(self.loader), self.batch_sampler.steady_length())
 
     def __iter__(self) -> Iterator[Batch]:
-        # A generator, so Lightning's probing `iter()` starts no worker pool until it is used.
-        # Lightning stops a sized epoch after its last batch without exhausting the pass; the
-        # previous pass's workers are shut down here, before the new pass forks its own, rather
-        # than when torchdata replaces its iterator after the fork: a fork never copies a process
-        # that still runs another pool's queue threads, and workers never run two pools at once.
-        self.close()
+        # A generator, so Lightning's probing `iter()` starts no worker pool until it is used. The pool
+        # itself persists across passes (loading/resumable.py): an epoch change forks nothing.
+        if self._batches is not None:
+            self._batches.close()  # a pass Lightning stopped early, e.g. at its length
         batches = self._generate()
         self._batches = batches
         return batches
 
     def close(self) -> None:
-        """Stop the current pass and shut its worker processes down now.
+        """Stop the current pass and shut the worker pool down now.
 
         Lightning shuts down the workers only of loaders that are DataLoaders; without this, a
-        pass that stops early (an exception, `max_steps`) keeps its workers until garbage
-        collection, which may come late and then waits on queues half torn down.
+        run that ends or fails keeps its workers until garbage collection, which may come late
+        and then waits on queues half torn down.
         """
         if self._batches is not None:
             self._batches.close()
@@ -64,15 +61,9 @@ class LightningLoader:
         self.loader.close()
 
     def _generate(self) -> Generator[Batch, None, None]:
-        sampler = self.batch_sampler
-        self.position = (sampler.epoch, sampler.consumed)
-        for batch in self.loader:
-            # Lightning does not prefetch from sized loaders: a batch handed over here is the one it
-            # trains on next, so this is the trained position whenever a checkpoint is taken.
-            position = batch["metadata"].get("position")
-            if position is not None:
-                self.position = (position[0], position[1] + 1)
-            yield batch
+        # Lightning does not prefetch from sized loaders: a batch handed over here is the one it trains on
+        # next, and the loader moves the sampler's consumed position as it hands it over.
+        yield from self.loader
 
     def state_dict(self) -> dict[str, Any]:
         """Empty: the DataModule owns the data position, so Lightning must not restore a second copy."""
@@ -80,3 +71,30 @@ class LightningLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Ignore Lightning's loader state (see `state_dict`)."""
+
+
+class FailedLoader:
+    """Stands in for a loader that could not be built and raises that error at Lightning's first use of it.
+
+    Lightning 2.6 requests loaders with `DataLoader.__init__`/`__setattr__` patched and restores them
+    only when the request returns: an error raised inside it leaves them patched for the rest of the
+    process, and every later loader then keeps its iterators alive. Lightning's first use (it probes
+    `iter()` right after the request, past its rank barrier) raises the error outside the patch.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def _raise(self) -> NoReturn:
+        if isinstance(self.error, TypeError):  # Lightning reads a TypeError from iter() as "not a loader"
+            raise RuntimeError(f"building the loader failed: {self.error}") from self.error
+        raise self.error
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._raise()
+
+    def __len__(self) -> int:
+        self._raise()
+
+    def close(self) -> None:
+        """Nothing to shut down."""

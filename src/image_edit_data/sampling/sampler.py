@@ -2,9 +2,11 @@
 
 State is `{"version", "epoch", "consumed", "history", "fingerprint"}`, identical on every rank
 (Lightning restores rank 0's copy everywhere). `consumed` counts the batches of this epoch handed
-out so far, including those of earlier world sizes listed in `history`. It counts what this sampler handed
-out in the current epoch; torchdata snapshots it per batch, so prefetching workers never make a
-resume skip batches that training did not see.
+to the *consumer* (the training loop), including those of earlier world sizes listed in `history`.
+Behind our loader (`loading/resumable.py`) the loader reports each batch as it hands it over, so
+batches that workers merely prefetched are never counted and `state_dict()` is exact at any time;
+a sampler iterated by anything else counts a batch when it hands it out. A new iteration starts
+at `consumed`: batches prefetched by an abandoned pass are handed out again, never skipped.
 
 Epochs after a restore: `set_epoch(e)` with the restored epoch continues it where it stopped (an
 epoch restored at its end has nothing left), any other `e` starts `e` from its first batch, and
@@ -99,7 +101,10 @@ class BucketBatchSampler:
         self.epoch = epoch
         self.consumed = 0
         self.history: list[tuple[int, int]] = []
-        # Set by an iteration that ran the epoch to its end; the next iteration then starts the next epoch.
+        # True when a loader reports what its consumer took (`note_consumed`, `note_pass_end`); otherwise
+        # a batch counts as consumed when it is handed out.
+        self.consumption_tracked = False
+        # Set when a pass ran the epoch to its end; the next iteration then starts the next epoch.
         self._ran_to_end = False
         # The epoch named by `set_epoch` since the last iteration began (None: none named). A state
         # loaded after it still honours it, since torchdata applies loader state only at `iter()`.
@@ -151,20 +156,42 @@ class BucketBatchSampler:
         self._requested_epoch = None
         if self._ran_to_end:
             self.advance_epoch(self.epoch + 1)  # the last epoch ran to its end and nobody called set_epoch
-        total = len(self)
-        while self.consumed < total:
+        return self._batches(self.epoch, self.consumed, len(self), self.plan(), self.segment_start)
+
+    def _batches(self, epoch: int, step: int, total: int, plan: EpochPlan, start: int) -> Iterator[list[int]]:
+        # The plan and bounds are fixed when the pass starts, so a pass prefetched ahead keeps its epoch's
+        # batches even if `set_epoch` is called before it is abandoned.
+        while step < total:
             if self.observer is not None:
-                self.observer(self, self.consumed)
-            batch = PlannedBatch(self.batch_for(self.consumed).tolist(), self.epoch, self.consumed)
-            self.consumed += 1
+                self.observer(self, step)
+            batch = PlannedBatch(plan.batch(step - start, self.plan_row).tolist(), epoch, step)
+            step += 1
+            if not self.consumption_tracked:
+                self.consumed = step
             yield batch
         if self.observer is not None:
             self.observer(self, total)
-        self._ran_to_end = True
+        if not self.consumption_tracked:
+            self._ran_to_end = True
+
+    def note_consumed(self, epoch: int, step: int) -> None:
+        """The consumer received batch `step` of `epoch`: the position moves just past it."""
+        if epoch == self.epoch:
+            self.consumed = step + 1
+
+    def note_pass_end(self) -> None:
+        """The consumer saw the pass end: the next iteration starts the next epoch unless `set_epoch` says otherwise."""
+        if self.epoch_finished:
+            self._ran_to_end = True
 
     def batch_for(self, step: int) -> np.ndarray:
         """This rank's `step`-th batch of the current epoch."""
-        return self.plan().batch(step - self.segment_start, self.rank)
+        return self.plan().batch(step - self.segment_start, self.plan_row)
+
+    @property
+    def plan_row(self) -> int:
+        """Which of the plan's per-rank rows this sampler takes."""
+        return self.rank
 
     def advance_epoch(self, epoch: int) -> None:
         """Start `epoch` from its first batch."""
@@ -260,9 +287,15 @@ class EvalBatchSampler(BucketBatchSampler):
             )
         return self._plan
 
-    def batch_for(self, step: int) -> np.ndarray:
-        """This rank's `step`-th batch."""
-        return self.plan().batch(step, 0)
+    def __iter__(self) -> Iterator[list[int]]:
+        # Every evaluation run covers the whole set, however far the last one went.
+        self.consumed, self._ran_to_end = 0, False
+        return self._batches(self.epoch, 0, len(self), self.plan(), 0)
+
+    @property
+    def plan_row(self) -> int:
+        """The plan holds only this rank's batches, in its one row."""
+        return 0
 
 
 def check_rank(rank: int, world_size: int) -> None:

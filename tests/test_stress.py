@@ -1,0 +1,24 @@
+"""The stress command's short run: a DDP fit with loader workers over many epoch changes, never hanging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from image_edit_data.bench.stress import stress_main
+
+EPOCHS = 40
+
+
+@pytest.mark.slow
+def test_a_ddp_fit_with_workers_and_churning_threads_changes_epoch_many_times_without_a_hang(tmp_path: Path) -> None:
+    """Threads start and exit in the training process all the time: a fork of it per epoch hung within a few epochs."""
+    results = tmp_path / "stress.json"
+    argv = ["--epochs", str(EPOCHS), "--runs", "1", "--thread-churn", "--hang-after", "90"]
+    code = stress_main([*argv, "--out", str(tmp_path / "runs"), "--json", str(results)])
+    (run,) = json.loads(results.read_text())
+    assert not run["hung"] and run["exit_code"] == 0, (tmp_path / "runs" / "run1" / "log.txt").read_text()[-3000:]
+    assert run["epochs_per_rank"] == [EPOCHS - 1, EPOCHS - 1]  # both ranks finished every epoch
+    assert code == 0
