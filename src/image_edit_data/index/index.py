@@ -24,7 +24,7 @@ from ..contract import validate
 from ..contract.paths import contained, read_regular_file, resolve_inside
 from ..contract.signature import Signature, sort_key
 from ..contract.validate import CacheFormatError, fail, show
-from ..storage.packed import PackedFields, ShardInfo, has_checksums, is_packed, shard_list, shards_fingerprint
+from .packed import PackedFields, ShardInfo, has_checksums, is_packed, shard_list, shards_fingerprint
 
 MANIFEST = "metadata.json"
 UNKNOWN = -1  # token count not stored in the index record
@@ -44,7 +44,7 @@ class CacheIndex:
     path_offsets: np.ndarray  # [N + 1] int64
     text_tokens: np.ndarray  # [N] int32, UNKNOWN where the record does not say
     fingerprint: str = field(default="")
-    # Packed layout only (see storage/packed.py): the tar shards and where each sample's member lies.
+    # Packed layout only (see index/packed.py): the tar shards and where each sample's member lies.
     shards: tuple[ShardInfo, ...] = ()
     member_shard: np.ndarray | None = None  # [N] int32 shard number
     member_offset: np.ndarray | None = None  # [N] int64 byte offset of the member's data in its shard
