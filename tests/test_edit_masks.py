@@ -13,7 +13,9 @@ from PIL import Image
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
 from image_edit_data.build.cli import cache_main
+from image_edit_data.build.encoders.base import PromptEncoding
 from image_edit_data.build.run.build import BuildOptions, build_cache
+from image_edit_data.build.run.encode import encode_window, prepare
 from image_edit_data.build.run.mask import latent_mask
 from image_edit_data.build.run.resize import ResizePolicy
 from image_edit_data.build.sources.base import BadSampleError
@@ -229,7 +231,37 @@ def test_a_data_set_mask_column_such_as_magicbrushs_mask_img_is_read(tmp_path: P
         path, "target_img", ["source_img"], "instruction", hf_cache_dir=str(tmp_path / "hf"), mask_column="mask_img"
     )
     assert source.columns.to_json()["mask_column"] == "mask_img"
-    build_cache(tmp_path / "cache", source, *DEMO_SPECS, BuildOptions(resize=KEEP, num_workers=1))
+    assert "mask_column" not in HFDatasetSource(path, "target_img", ["source_img"], "instruction").columns.to_json()
+    encoders = ["--hf-cache-dir", str(tmp_path / "hf"), "--image-encoder", DEMO_SPECS[0]["class_path"]]
+    encoders += ["--image-encoder.latent_channels", "4"]
+    encoders += ["--text-encoder", DEMO_SPECS[1]["class_path"], "--text-encoder.dim", "8"]
+    args = ["build", str(tmp_path / "cache"), "--dataset", str(path), "--mask-column", "mask_img", *encoders]
+    assert cache_main([*args, "--resize", "none", "--spatial-alignment", "16", "--quiet"]) == 0
     dataset = ImageEditDataset(tmp_path / "cache")
     assert torch.equal(dataset[0]["conditioning_tensors"][EDIT_MASK], LEFT_QUARTER)
     assert EDIT_MASK not in dataset[1]["conditioning_tensors"]
+    # The same columns as text-to-image rows with masks: no context column, asked for on the command line.
+    args = ["build", str(tmp_path / "rows"), "--dataset", str(path), "--mask-column", "mask_img", *encoders]
+    args += ["--context-columns", "[]", "--allow-no-context", "--resize", "none", "--spatial-alignment", "16"]
+    assert cache_main([*args, "--quiet"]) == 0
+    assert ImageEditDataset(tmp_path / "rows").get_bucket_info()["buckets"] == {
+        "target=4x4x4/contexts=[]": 1,
+        "target=4x4x4/contexts=[]/mask": 1,
+    }
+
+
+class PromptsWithAnEditMask:
+    """A prompt encoder whose conditioning tensor takes the name the cache keeps for masks."""
+
+    def encode_prompts(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]:
+        return [PromptEncoding(torch.zeros(2, 8), torch.ones(2), {EDIT_MASK: torch.zeros(4, 4)}) for _ in prompts]
+
+
+def test_an_encoder_conditioning_tensor_named_edit_mask_is_refused(tmp_path: Path) -> None:
+    from image_edit_data.build.encoders.demo import DemoImageEncoder
+
+    source = JsonlManifestSource(masked_manifest(tmp_path / "raw", masked=(), rows=1))
+    prepared = prepare(source, 0, KEEP, 8)
+    assert not isinstance(prepared, BadSampleError)
+    with pytest.raises(ValueError, match=r"returned a conditioning tensor named 'edit_mask', the name the cache"):
+        encode_window([prepared], DemoImageEncoder(latent_channels=4), PromptsWithAnEditMask(), 1, 8)
