@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .mixture import Mixture
 from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
 
 STATE_VERSION = 1
@@ -69,6 +70,7 @@ class BucketBatchSampler:
         elastic: bool = False,
         shard_of: np.ndarray | None = None,
         shard_window: int = 0,
+        mixture: Mixture | None = None,
     ) -> None:
         check_rank(rank, world_size)
         if len(batch_sizes) != len(bucket_members):
@@ -95,6 +97,8 @@ class BucketBatchSampler:
         # Packed caches: sample -> shard, and the shard-local shuffle window (0: shuffle whole buckets).
         self.shard_of = shard_of
         self.shard_window = shard_window
+        # The sources the members come from and each one's share of an epoch (None: every member once per epoch).
+        self.mixture = mixture
         # Called as observer(self, step) as each batch is handed out, and with step = len(self) once the
         # epoch is handed out (the remote shard prefetcher).
         self.observer: Callable[[Any, int], None] | None = None
@@ -133,6 +137,7 @@ class BucketBatchSampler:
                 history=self.history,
                 shard_of=self.shard_of,
                 shard_window=self.shard_window,
+                mixture=self.mixture,
             )
             self._plan_key = key
         return self._plan
@@ -149,7 +154,10 @@ class BucketBatchSampler:
 
     def steady_length(self) -> int:
         """Batches of an epoch without elastic history: what every later epoch has on these ranks."""
-        steps = step_count([len(m) for m in self.bucket_members], self.batch_sizes, self.world_size, self.drop_last)
+        sizes = [len(m) for m in self.bucket_members]
+        if self.mixture is not None:
+            sizes = self.mixture.bucket_draws(self.bucket_members)
+        steps = step_count(sizes, self.batch_sizes, self.world_size, self.drop_last)
         return steps if self.max_batches is None else min(steps, self.max_batches)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -206,9 +214,14 @@ class BucketBatchSampler:
             self.advance_epoch(epoch)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must match for a saved position to mean the same samples on resume."""
+        """What must match for a saved position to mean the same samples on resume.
+
+        A single cache read once per epoch keeps the keys it always had, so older checkpoints still
+        match; a mixture of several sources replaces `data` with each source's data and weight.
+        """
+        mixed = self.mixture.fingerprint() if self.mixture is not None else {}
         return {
-            "data": self.data_fingerprint,
+            **({} if "sources" in mixed else {"data": self.data_fingerprint}),
             "batch_sizes": list(self.batch_sizes),
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -216,6 +229,7 @@ class BucketBatchSampler:
             "bucket_order": self.bucket_order,
             "world_size": self.world_size,
             **({"shard_window": self.shard_window} if self.shard_window else {}),  # absent: old checkpoints match
+            **mixed,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -238,6 +252,8 @@ class BucketBatchSampler:
         saved = state["fingerprint"]
         current = self.fingerprint()
         allowed = set(allow_changes) | ({"world_size"} if self.elastic else set())
+        if "sources" in saved or "sources" in current:  # a mixture on either side: compare source by source
+            saved, current = comparable(saved), comparable(current)
         changed = describe_changes(saved, current, allowed)
         if changed:
             elastic_hint = any(line.startswith("world_size") for line in changed)
@@ -283,7 +299,12 @@ class EvalBatchSampler(BucketBatchSampler):
             )
             mine = slice(self.rank, None, self.world_size)
             self._plan = EpochPlan(
-                world_size=1, flat=whole.flat, start=whole.start[mine], size=whole.size[mine], bucket=whole.bucket[mine]
+                world_size=1,
+                flat=whole.flat,
+                start=whole.start[mine],
+                size=whole.size[mine],
+                bucket=whole.bucket[mine],
+                samples=whole.samples,
             )
         return self._plan
 
@@ -322,6 +343,15 @@ def migrate_state(state: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise ResumeMismatchError(f"cannot resume: sampler state lacks {sorted(missing)}")
     return dict(state)
+
+
+def comparable(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """A fingerprint in the mixture's terms, so a single cache compares with a mixture source by source."""
+    result = dict(fingerprint)
+    if "sources" not in result:
+        result["sources"] = 1
+        result["sources[0].data"] = result.pop("data", None)
+    return result
 
 
 def describe_changes(saved: Mapping[str, Any], current: Mapping[str, Any], allowed: set[str]) -> list[str]:
