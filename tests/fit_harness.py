@@ -145,6 +145,8 @@ class FitOptions:
     storage_options: str | None = None  # JSON fsspec options when `cache` is a URL
     remote_read: str = "range"  # "range" or "shard_cache" for remote packed caches
     local_cache_dir: str | None = None  # where a remote cache keeps its index copy and shards
+    sources: str | None = None  # JSON list of mixture sources; `cache` is then ignored
+    on_resume_mismatch: str = "raise"  # or "restart_epoch"
 
     def __or__(self, changes: dict[str, Any]) -> FitOptions:
         """A copy with `changes` applied."""
@@ -156,7 +158,9 @@ def fit(options: FitOptions) -> None:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     datamodule = ImageEditDataModule(
-        cache_dir=options.cache,
+        cache_dir=None if options.sources else options.cache,
+        sources=json.loads(options.sources) if options.sources else None,
+        on_resume_mismatch=options.on_resume_mismatch,  # type: ignore[arg-type]
         batch_size=options.batch_size,
         num_workers=options.num_workers,
         seed=options.seed,

@@ -172,7 +172,8 @@ class ImageEditDataloaderConfig:
     def mixture_of(self, dataset: ImageEditDataset | MixtureDataset) -> Mixture | None:
         """How an epoch draws from `dataset`'s sources, or None when it reads every sample once."""
         if isinstance(dataset, MixtureDataset):
-            mixture = Mixture(dataset.sizes, tuple(dataset.weights), self.samples_per_epoch, dataset.fingerprints)
+            weights, names = tuple(dataset.weights), tuple(dataset.names)
+            mixture = Mixture(dataset.sizes, weights, self.samples_per_epoch, dataset.fingerprints, names)
         else:
             mixture = Mixture((len(dataset),), (1.0,), self.samples_per_epoch, (dataset.index.fingerprint,))
         return None if mixture.reads_each_sample_once else mixture

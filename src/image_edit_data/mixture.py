@@ -240,7 +240,8 @@ def check_compatible(sources: Sequence[ImageEditDataset], names: Sequence[str]) 
         ]
         if differing:
             raise ValueError(
-                f"sources[0] {names[0]!r} and sources[{i}] {names[i]!r} cannot share batches: " + "; ".join(differing)
+                f"sources[0] {names[0]!r} ({sources[0].cache_dir}) and sources[{i}] {names[i]!r} "
+                f"({sources[i].cache_dir}) cannot share batches: " + "; ".join(differing)
             )
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
-from image_edit_data import ImageEditDataset
+from image_edit_data import ImageEditDataset, MixtureDataset
 from image_edit_data.examples.diffusers_check import (
     ExpectedInputs,
     check_cache,
@@ -156,8 +156,9 @@ class DiffusersEditModule(LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         for name in ("train_dataset", "val_dataset"):
             dataset = getattr(datamodule, name, None)
-            if isinstance(dataset, ImageEditDataset):
-                check_cache(dataset, self.expected_inputs())
+            for cache in dataset.sources if isinstance(dataset, MixtureDataset) else [dataset]:  # each source
+                if isinstance(cache, ImageEditDataset):
+                    check_cache(cache, self.expected_inputs())
 
     @property
     def weight_dtype(self) -> torch.dtype:

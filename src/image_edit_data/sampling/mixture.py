@@ -35,12 +35,14 @@ class Mixture:
     weights: tuple[float, ...]
     samples_per_epoch: int | None = None
     fingerprints: tuple[str, ...] = ()  # each source's index fingerprint, for the resume check
+    names: tuple[str, ...] = ()  # each source's name, for messages (a renamed source still resumes)
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.weights) != len(self.sizes):
             raise ValueError(f"a mixture needs one weight per source, got sizes {self.sizes} weights {self.weights}")
-        if self.fingerprints and len(self.fingerprints) != len(self.sizes):
-            raise ValueError(f"got {len(self.fingerprints)} fingerprints for {len(self.sizes)} sources")
+        for what, given in (("fingerprints", self.fingerprints), ("names", self.names)):
+            if given and len(given) != len(self.sizes):
+                raise ValueError(f"got {len(given)} {what} for {len(self.sizes)} sources")
         for i, weight in enumerate(self.weights):
             if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < float("inf"):
                 raise ValueError(f"sources[{i}].weight: expected a positive number, got {weight!r}")
@@ -116,7 +118,10 @@ class Mixture:
         return [np.concatenate(p) if p else np.zeros(0, dtype=dtype) for p in parts]
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a resume must match beyond a single cache's fingerprint (nothing for a cache read once per epoch)."""
+        """What a resume must match beyond a single cache's fingerprint (nothing for a cache read once per epoch).
+
+        `sources[i].name` only labels messages: the sampler never refuses a renamed source.
+        """
         keys: dict[str, Any] = {}
         if self.epoch_samples != sum(self.sizes):
             keys["samples_per_epoch"] = self.epoch_samples
@@ -125,6 +130,8 @@ class Mixture:
             for i, weight in enumerate(self.weights):
                 keys[f"sources[{i}].data"] = self.fingerprints[i] if self.fingerprints else None
                 keys[f"sources[{i}].weight"] = float(weight)
+                if self.names:
+                    keys[f"sources[{i}].name"] = self.names[i]
         return keys
 
 

@@ -254,7 +254,9 @@ class BucketBatchSampler:
         allowed = set(allow_changes) | ({"world_size"} if self.elastic else set())
         if "sources" in saved or "sources" in current:  # a mixture on either side: compare source by source
             saved, current = comparable(saved), comparable(current)
-        changed = describe_changes(saved, current, allowed)
+        labels = source_labels(saved, current)
+        allowed |= {f"{source}.name" for source in labels}  # names label messages; a renamed source resumes
+        changed = describe_changes(saved, current, allowed, labels)
         if changed:
             elastic_hint = any(line.startswith("world_size") for line in changed)
             hint = " (set elastic=True to continue on a new world size)" if elastic_hint else ""
@@ -354,10 +356,27 @@ def comparable(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
-def describe_changes(saved: Mapping[str, Any], current: Mapping[str, Any], allowed: set[str]) -> list[str]:
-    """One `key: checkpoint X, now Y` line per differing fingerprint key not in `allowed`."""
+def source_labels(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, str]:
+    """`sources[i]` -> its name (the current one, else the checkpoint's), from the fingerprints' `sources[i].name`."""
+    labels: dict[str, str] = {}
+    for fingerprint in (saved, current):
+        for key, value in fingerprint.items():
+            if key.startswith("sources[") and key.endswith("].name"):
+                labels[key.removesuffix(".name")] = str(value)
+    return labels
+
+
+def describe_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], allowed: set[str], labels: Mapping[str, str] | None = None
+) -> list[str]:
+    """One `key: checkpoint X, now Y` line per differing fingerprint key not in `allowed`.
+
+    A key of a mixture's source (`sources[1].weight`) is followed by the source's name from `labels`.
+    """
     lines = []
     for key in sorted(set(saved) | set(current)):
         if key not in allowed and saved.get(key) != current.get(key):
-            lines.append(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}")
+            source = key.partition("]")[0] + "]" if key.startswith("sources[") else ""
+            label = f" ({labels[source]!r})" if labels and source in labels else ""
+            lines.append(f"{key}{label}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}")
     return lines
