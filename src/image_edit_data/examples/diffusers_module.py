@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
-from image_edit_data import ImageEditDataset, MixtureDataset
+from image_edit_data import ImageEditDataset
 from image_edit_data.examples.diffusers_check import (
     ExpectedInputs,
     check_cache,
@@ -36,6 +36,7 @@ from image_edit_data.examples.diffusers_inputs import (
     sample_sigmas,
     step_generator,
 )
+from image_edit_data.mixture import MixtureDataset
 
 
 class DiffusersEditModule(LightningModule):

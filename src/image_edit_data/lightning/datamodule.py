@@ -49,7 +49,8 @@ class ImageEditDataModule(pl.LightningDataModule):
     a YAML config sets them flat under `data:`.
 
     Args:
-        cache_dir: Training cache directory (metadata.json, shards, payloads), or a URL; or set `sources`.
+        cache_dir: Training cache directory (metadata.json, shards, payloads), or a URL. Leave it unset to train
+            on a mixture instead: `sources`, a list of `CacheSource` (`cache_dir`, `weight`, ...; docs/mixtures.md).
         batch_size: Samples per batch and rank (the base size when `dynamic_batch_size`).
         val_cache_dir: Optional validation cache; every sample is seen once per validation run.
         on_resume_mismatch: "raise" refuses a checkpoint whose data or config differ; "restart_epoch"
@@ -57,7 +58,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`, or a local source) holds no cache yet,
             first write the procedural demo cache there with this many samples (a tenth for validation).
             For quickstarts.
-        **options: Any other field of `ImageEditDataloaderConfig`, `sources` (a mixture) among them.
+        **options: Any other field of `ImageEditDataloaderConfig`, `sources` and `samples_per_epoch` among them.
     """
 
     def __init__(
