@@ -451,7 +451,7 @@ def test_fit_runs_in_bf16(precision: str, tmp_path: Path) -> None:
     assert model.weight_dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
 
 
-@pytest.mark.parametrize("config", ["fit_qwen_image_edit.yaml", "fit_flux_kontext.yaml"])
+@pytest.mark.parametrize("config", ["fit_qwen_image_edit.yaml", "fit_flux_kontext.yaml", "mixture.yaml"])
 def test_the_shipped_configs_shard_with_fsdp2_over_every_gpu(config: str) -> None:
     from jsonargparse import ArgumentParser
     from lightning.pytorch.strategies import ModelParallelStrategy, Strategy

@@ -6,6 +6,7 @@ caches built with `cachefactory`, resumed with the standalone loader's harness (
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from functools import cache
 from pathlib import Path
@@ -343,3 +344,26 @@ def test_a_renamed_source_resumes_and_a_mixtures_checkpoint_is_refused_by_a_sing
     )
     with pytest.raises(ResumeMismatchError, match=r"sources: checkpoint 3, now 1"):
         single.sampler.load_state_dict(state)
+
+
+def test_skipped_samples_of_a_source_are_reported_in_mixture_ids_and_quarantined_per_source(
+    caches: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    small = tiny_cache(tmp_path / "small", counts=(3, 2, 2))
+    for i in (0, 4):  # sample 0, the one a source's check would read first, and another
+        (small / f"samples/sample_{i:08d}.pt").write_bytes(b"PK\x03\x04 truncated")
+    quarantine = tmp_path / "q.jsonl"
+    sources = [{"cache_dir": str(caches[0]), "weight": 3}, {"cache_dir": str(small)}]
+    config = ImageEditDataloaderConfig(
+        sources=sources,
+        num_workers=0,
+        on_corrupt_sample="skip",
+        max_corrupt_fraction=0.5,
+        quarantine_file=str(quarantine),
+    )
+    built = config.build(dp_rank=0, dp_world_size=1, batch_size=2)
+    skipped = [entry for batch in built.dataloader for entry in batch["metadata"]["skipped_samples"]]
+    assert {entry["index"] for entry in skipped} == {30, 34}, "mixture ids: the second source starts at 30"
+    listed = [json.loads(line)["index"] for line in (tmp_path / "q.small.jsonl").read_text().splitlines()]
+    assert sorted(listed) == [0, 4], "the source's own quarantine file lists its own sample numbers"
+    assert not quarantine.exists()

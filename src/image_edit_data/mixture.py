@@ -246,9 +246,9 @@ def check_compatible(sources: Sequence[ImageEditDataset], names: Sequence[str]) 
 
 
 def profile(dataset: ImageEditDataset) -> dict[str, Any]:
-    """What every sample of a batch must agree on, read from the index and the cache's first sample."""
+    """What every sample of a batch must agree on, read from the index and one sample's header."""
     channels = sorted({shape[0] for sig in dataset.signatures for shape in (sig.target, *sig.contexts)})
-    sample, payload = dataset.open_sample(0)
+    sample, payload = first_loadable(dataset)
     with payload:
         return {
             "latent channels": channels,
@@ -258,6 +258,22 @@ def profile(dataset: ImageEditDataset) -> dict[str, Any]:
             "prompt attention mask dtype": dtype_name(sample["prompt_attention_mask"].dtype),
             "conditioning tensors": sorted(set(sample["conditioning_tensors"]) - UNCHECKED_CONDITIONING),
         }
+
+
+def first_loadable(dataset: ImageEditDataset) -> tuple[Sample, OpenPayload]:
+    """The first sample of the first bucket that opens; under the "skip" policy broken ones are passed over.
+
+    Only headers are read. Under "raise" the first sample's error stands, as it would at its first read.
+    """
+    errors: list[validate.CacheFormatError] = []
+    for members in dataset.index.bucket_members():
+        try:
+            return dataset.open_sample(int(members[0]))
+        except validate.CacheFormatError as error:
+            if dataset.skips.policy != "skip":
+                raise
+            errors.append(error)
+    raise errors[0]  # every bucket's first sample is broken (a source is never empty here)
 
 
 def dtype_name(dtype: Any) -> str:
