@@ -19,6 +19,7 @@ from cachefactory import make_payload, tiny_cache, write_cache
 from test_loader_resume import BATCH, PATTERNS, flat, restored_as, resume, run_until_cut
 
 from image_edit_data import CacheSource, ImageEditDataloaderConfig, MixtureDataset, ResumeMismatchError
+from image_edit_data.build.tools.pack import pack_cache
 from image_edit_data.sampling.mixture import Mixture, Passes, draw_counts
 from image_edit_data.sampling.resume import restore
 from image_edit_data.sampling.sampler import BucketBatchSampler
@@ -367,3 +368,19 @@ def test_skipped_samples_of_a_source_are_reported_in_mixture_ids_and_quarantined
     listed = [json.loads(line)["index"] for line in (tmp_path / "q.small.jsonl").read_text().splitlines()]
     assert sorted(listed) == [0, 4], "the source's own quarantine file lists its own sample numbers"
     assert not quarantine.exists()
+
+
+def test_a_packed_source_with_a_shard_local_shuffle_reads_the_same_draws_as_its_unpacked_copy(
+    caches: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Shards are numbered across sources; each unpacked sample counts as a shard of its own."""
+    packed = tmp_path / "small_packed"
+    pack_cache(tiny_cache(tmp_path / "small", counts=(3, 2, 2), suffix=".safetensors"), str(packed), shard_bytes=4096)
+
+    def draws(small: Path, window: int) -> Counter[int]:
+        sources = [{"cache_dir": str(caches[0]), "weight": 3}, {"cache_dir": str(small), "name": "small"}]
+        config = ImageEditDataloaderConfig(sources=sources, num_workers=0, shard_window=window, drop_last=False)
+        built = config.build(dp_rank=0, dp_world_size=1, batch_size=2)
+        return Counter(i for batch in built.dataloader for i in batch["metadata"]["sample_indices"])
+
+    assert draws(packed, 1) == draws(tmp_path / "small", 0), "the same samples, as often, in another order"
