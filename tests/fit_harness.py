@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from image_edit_data import BucketBatchSampler, ImageEditDataModule, ImageEditDataset
+from image_edit_data.lightning.monitor import ImageEditDataMonitor
 
 KILLED_AFTER_CHECKPOINT = 17
 DIED_WHILE_SAVING = 18
@@ -145,6 +146,9 @@ class FitOptions:
     storage_options: str | None = None  # JSON fsspec options when `cache` is a URL
     remote_read: str = "range"  # "range" or "shard_cache" for remote packed caches
     local_cache_dir: str | None = None  # where a remote cache keeps its index copy and shards
+    sources: str | None = None  # JSON list of mixture sources; `cache` is then ignored
+    on_resume_mismatch: str = "raise"  # or "restart_epoch"
+    monitor: bool = False  # add the data monitor; its epoch summaries go to OUT/monitor.rank{r}.json
 
     def __or__(self, changes: dict[str, Any]) -> FitOptions:
         """A copy with `changes` applied."""
@@ -156,7 +160,9 @@ def fit(options: FitOptions) -> None:
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     datamodule = ImageEditDataModule(
-        cache_dir=options.cache,
+        cache_dir=None if options.sources else options.cache,
+        sources=json.loads(options.sources) if options.sources else None,
+        on_resume_mismatch=options.on_resume_mismatch,  # type: ignore[arg-type]
         batch_size=options.batch_size,
         num_workers=options.num_workers,
         seed=options.seed,
@@ -189,8 +195,13 @@ def fit(options: FitOptions) -> None:
         num_sanity_val_steps=0,
         default_root_dir=out,
     )
+    monitor = ImageEditDataMonitor() if options.monitor else None
+    if monitor is not None:
+        trainer.callbacks.append(monitor)  # type: ignore[attr-defined]
     model = RecordingModel(str(out), pause_at_step=options.pause_at_step)
     trainer.fit(model, datamodule=datamodule, ckpt_path=options.ckpt)
+    if monitor is not None:
+        (out / f"monitor.rank{trainer.global_rank}.json").write_text(json.dumps(monitor.epoch_summaries))
 
 
 def main(argv: list[str]) -> None:

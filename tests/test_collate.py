@@ -105,7 +105,7 @@ def test_a_mixed_batch_error_shows_both_samples_values_in_full() -> None:
 def test_samples_and_batches_hold_exactly_the_keys_the_contract_types_name() -> None:
     samples = [sample(0), sample(1)]
     assert all(set(s) == set(Sample.__annotations__) for s in samples)
-    batch = collate_image_edit(samples, position=(0, 0), skipped=[])
+    batch = collate_image_edit(samples, position=(0, 0), skipped=[], sources=["a", "b"])
     assert set(batch) == set(Batch.__annotations__) == Batch.__required_keys__
     assert set(batch["metadata"]) == set(BatchMetadata.__annotations__)
     assert set(collate_image_edit(samples)["metadata"]) == BatchMetadata.__required_keys__ | {"sample_indices"}

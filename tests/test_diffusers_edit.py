@@ -389,6 +389,15 @@ def test_a_validation_cache_that_does_not_fit_is_refused_too(tmp_path: Path) -> 
         trainer(tmp_path, max_steps=2).fit(tiny_module("qwen"), datamodule=datamodule)
 
 
+def test_every_source_of_a_mixture_is_checked_against_the_model_at_setup(tmp_path: Path) -> None:
+    good = edit_cache(tmp_path / "good", [(*ONE_CONTEXT, 2)])
+    odd = edit_cache(tmp_path / "odd", [(*ODD, 2)])  # shares batches with `good`, but does not fit the model
+    sources = [{"cache_dir": str(good), "weight": 3}, {"cache_dir": str(odd)}]
+    datamodule = ImageEditDataModule(sources=sources, batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match=r"odd: bucket .*contexts\[0\] is 5x8, but .* height and width must be even"):
+        trainer(tmp_path, max_steps=2).fit(tiny_module("qwen"), datamodule=datamodule)
+
+
 def test_a_config_that_does_not_take_packed_latents_is_refused() -> None:
     with pytest.raises(ValueError, match=r"in_channels a multiple of 4.*got in_channels=16, output width 64"):
         tiny_module("qwen", model_config={"in_channels": 16, "out_channels": 16, "num_layers": 1})
@@ -442,7 +451,7 @@ def test_fit_runs_in_bf16(precision: str, tmp_path: Path) -> None:
     assert model.weight_dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
 
 
-@pytest.mark.parametrize("config", ["fit_qwen_image_edit.yaml", "fit_flux_kontext.yaml"])
+@pytest.mark.parametrize("config", ["fit_qwen_image_edit.yaml", "fit_flux_kontext.yaml", "mixture.yaml"])
 def test_the_shipped_configs_shard_with_fsdp2_over_every_gpu(config: str) -> None:
     from jsonargparse import ArgumentParser
     from lightning.pytorch.strategies import ModelParallelStrategy, Strategy

@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     {"sampling"},
     {"batch"},
     {"loading"},
-    {"dataset", "loader", "__init__"},  # importing the package root gives the data path's public names
+    {"dataset", "mixture", "loader", "__init__"},  # importing the package root gives the data path's public names
     {"build"},
     {"lightning"},
     {"bench", "examples"},

@@ -19,6 +19,7 @@ from .batch.collate import collate_image_edit
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
 from .errors import CacheFormatError
 from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
+from .mixture import CacheSource, MixtureDataset
 from .payload.corrupt import TooManyCorruptSamplesError
 from .sampling.sampler import BucketBatchSampler, ResumeMismatchError
 
@@ -34,12 +35,14 @@ _LIGHTNING_NAMES = {
 __all__ = [
     "BucketBatchSampler",
     "CacheFormatError",
+    "CacheSource",
     "DiffusionDataloaderBuild",
     "ImageEditDataModule",
     "ImageEditDataMonitor",
     "ImageEditDataloaderConfig",
     "ImageEditDataset",
     "ImageEditDatasetConfig",
+    "MixtureDataset",
     "ResumeMismatchError",
     "TooManyCorruptSamplesError",
     "collate_image_edit",

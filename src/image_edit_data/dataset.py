@@ -19,6 +19,7 @@ from .loading import watch
 from .payload.corrupt import CorruptPolicy, SkipLog
 from .payload.payload import OpenPayload, materialized
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
+from .storage.prefetch import ShardPrefetcher
 from .storage.reader import Opened, PayloadReader
 
 
@@ -155,6 +156,10 @@ class ImageEditDataset(Dataset):
             "bucket",
             "every sample of this bucket is corrupt; nothing left to train on",
         )
+
+    def prefetcher(self, in_flight: int) -> ShardPrefetcher | None:
+        """What fetches ahead of the loader for this cache's layout (see `PayloadReader.prefetcher`)."""
+        return self.reader.prefetcher(in_flight)
 
     @property
     def signatures(self) -> tuple[Signature, ...]:

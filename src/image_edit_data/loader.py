@@ -13,7 +13,9 @@ from .batch.collate import collate_image_edit
 from .dataset import ImageEditDataset
 from .loading.resumable import ResumableDataLoader
 from .loading.start import DEFAULT_WORKER_START, WorkerStart, worker_context
+from .mixture import CacheSource, MixtureDataset, as_sources
 from .payload.corrupt import CorruptPolicy
+from .sampling.mixture import Mixture
 from .sampling.plan import BucketOrder
 from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
@@ -30,7 +32,7 @@ class DiffusionDataloaderBuild(NamedTuple):
 
 
 def bucket_batch_sizes(
-    dataset: ImageEditDataset,
+    dataset: ImageEditDataset | MixtureDataset,
     batch_size: int,
     dynamic: bool,
     base_resolution: tuple[int, int],
@@ -54,10 +56,10 @@ def bucket_batch_sizes(
 
 @dataclass
 class ImageEditDataloaderConfig:
-    """Construction-time configuration of a cached image-edit dataloader."""
+    """Construction-time configuration of a cached image-edit dataloader: one cache, or a mixture (`sources`)."""
 
-    cache_dir: str
-    """Directory holding metadata.json, its shards and the payloads."""
+    cache_dir: str | None = None
+    """Directory holding metadata.json, its shards and the payloads (or a URL); set this or `sources`."""
     quantization: int = 64
     """Pixel cell size for the dynamic batch size's cost."""
     base_resolution: tuple[int, int] = (1024, 1024)
@@ -105,24 +107,60 @@ class ImageEditDataloaderConfig:
     """Byte budget of the local shard cache (at least the largest shard)."""
     shard_window: int = 0
     """Packed caches: shuffle shards, and samples only within this many shards, for local reads (0: whole bucket)."""
+    sources: list[CacheSource] | None = None
+    """A mixture instead of `cache_dir`: caches, each with `cache_dir`, `weight`, optional `name` and remote options."""
+    samples_per_epoch: int | None = None
+    """Samples drawn per epoch, shared out by weight (default: all samples of all sources once)."""
 
     def __post_init__(self) -> None:
         self.base_resolution = tuple(self.base_resolution)  # type: ignore[assignment]  # YAML and callers pass lists
+        if (self.cache_dir is None) == (self.sources is None):
+            raise ValueError("set either cache_dir (one cache) or sources (a mixture of caches), not both or neither")
+        if self.sources is not None:
+            self.sources = as_sources(self.sources)
+        n = self.samples_per_epoch
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"samples_per_epoch must be a positive integer, got {n!r}")
 
-    def location(self, cache_dir: str | None = None) -> CacheLocation:
-        """`cache_dir` (default: the configured one) with this config's remote options, parsed once."""
+    def location(self, cache_dir: str | None = None, source: CacheSource | None = None) -> CacheLocation:
+        """`cache_dir` (default: the configured one), or a source's, with its remote options, parsed once."""
+        if source is not None:
+            return CacheLocation.of(
+                source.cache_dir,
+                storage_options=self.storage_options if source.storage_options is None else source.storage_options,
+                remote_read=source.remote_read or self.remote_read,
+                local_cache_dir=source.local_cache_dir or self.local_cache_dir,
+                shard_cache_bytes=self.shard_cache_bytes,
+            )
+        location = cache_dir or self.cache_dir
+        if location is None:
+            raise ValueError("this config reads a mixture (sources); name a cache_dir to open a single cache")
         return CacheLocation.of(
-            cache_dir or self.cache_dir,
+            location,
             storage_options=self.storage_options,
             remote_read=self.remote_read,
             local_cache_dir=self.local_cache_dir,
             shard_cache_bytes=self.shard_cache_bytes,
         )
 
-    def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset:
-        """Open `cache_dir` (default: the configured one) with this config's corrupt-sample policy."""
-        location = self.location(cache_dir)
-        quarantine = Path(self.quarantine_file) if self.quarantine_file else location.quarantine_default()
+    def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset | MixtureDataset:
+        """Open `cache_dir` (default: the configured cache or mixture) with this config's corrupt-sample policy."""
+        if cache_dir is not None or self.sources is None:
+            return self.open_location(self.location(cache_dir))
+        names = [s.display_name for s in self.sources]
+        opened = []
+        for source, name in zip(self.sources, names):
+            quarantine = None
+            if self.quarantine_file and len(self.sources) > 1:  # one list per source: indices are per cache
+                path = Path(self.quarantine_file)
+                quarantine = path.with_name(f"{path.stem}.{name}{path.suffix}")
+            opened.append(self.open_location(self.location(source=source), quarantine))
+        return MixtureDataset(opened, names, [s.weight for s in self.sources])
+
+    def open_location(self, location: CacheLocation, quarantine: Path | None = None) -> ImageEditDataset:
+        """Open one cache with this config's corrupt-sample policy."""
+        if quarantine is None:
+            quarantine = Path(self.quarantine_file) if self.quarantine_file else location.quarantine_default()
         return ImageEditDataset(
             location,
             quantization=self.quantization,
@@ -131,6 +169,15 @@ class ImageEditDataloaderConfig:
             quarantine_file=quarantine,
         )
 
+    def mixture_of(self, dataset: ImageEditDataset | MixtureDataset) -> Mixture | None:
+        """How an epoch draws from `dataset`'s sources, or None when it reads every sample once."""
+        if isinstance(dataset, MixtureDataset):
+            weights, names = tuple(dataset.weights), tuple(dataset.names)
+            mixture = Mixture(dataset.sizes, weights, self.samples_per_epoch, dataset.fingerprints, names)
+        else:
+            mixture = Mixture((len(dataset),), (1.0,), self.samples_per_epoch, (dataset.index.fingerprint,))
+        return None if mixture.reads_each_sample_once else mixture
+
     def build(self, *, dp_rank: int, dp_world_size: int, batch_size: int) -> DiffusionDataloaderBuild:
         """Open the cache and build this rank's sampler and stateful loader."""
         return self.build_for(dataset=None, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=batch_size)
@@ -138,7 +185,7 @@ class ImageEditDataloaderConfig:
     def build_for(
         self,
         *,
-        dataset: ImageEditDataset | None,
+        dataset: ImageEditDataset | MixtureDataset | None,
         dp_rank: int,
         dp_world_size: int,
         batch_size: int,
@@ -161,9 +208,14 @@ class ImageEditDataloaderConfig:
         batch_sizes = bucket_batch_sizes(
             dataset, batch_size, self.dynamic_batch_size, self.base_resolution, self.latent_scale
         )
+        if isinstance(dataset, MixtureDataset):
+            members, shard_of, fingerprint = dataset.bucket_members(), dataset.member_shard(), dataset.fingerprints[0]
+        else:
+            members, shard_of = dataset.index.bucket_members(), dataset.index.member_shard
+            fingerprint = dataset.index.fingerprint
         sampler_class = EvalBatchSampler if evaluation else BucketBatchSampler
         sampler = sampler_class(
-            bucket_members=dataset.index.bucket_members(),
+            bucket_members=members,
             batch_sizes=batch_sizes,
             rank=dp_rank,
             world_size=dp_world_size,
@@ -172,13 +224,14 @@ class ImageEditDataloaderConfig:
             drop_last=self.drop_last and not evaluation,
             bucket_order=self.bucket_order,
             epoch=epoch,
-            data_fingerprint=dataset.index.fingerprint,
+            data_fingerprint=fingerprint,
             elastic=self.elastic,
-            shard_of=dataset.index.member_shard,
+            shard_of=shard_of,
             shard_window=self.shard_window,
+            mixture=None if evaluation else self.mixture_of(dataset),
         )
         if not evaluation:  # batches workers may hold unloaded (prefetch_factor each), plus the one in hand
-            sampler.observer = dataset.reader.prefetcher(max(1, self.num_workers) * self.prefetch_factor + 1)
+            sampler.observer = dataset.prefetcher(max(1, self.num_workers) * self.prefetch_factor + 1)
         worker_context(self.multiprocessing_context)  # checks the name even without workers
         workers: dict[str, Any] = {}
         if self.num_workers > 0:

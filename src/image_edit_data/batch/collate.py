@@ -42,17 +42,20 @@ def collate_image_edit(
     *,
     position: tuple[int, int] | None = None,
     skipped: list[SkippedSample] | None = None,
+    sources: Sequence[str] | None = None,
 ) -> Batch:
     """Collate samples of one compound signature into the batch contract of the cache format.
 
-    `position` (epoch, step in the epoch plan) and `skipped` (the samples dropped from this batch
-    under the "skip" policy, possibly none) go into the batch metadata when given. A batch the
-    dataset already assembled is returned as it is.
+    `position` (epoch, step in the epoch plan), `skipped` (the samples dropped from this batch
+    under the "skip" policy, possibly none) and `sources` (each sample's source in a mixture) go
+    into the batch metadata when given. A batch the dataset already assembled is returned as it is.
     """
     if isinstance(samples, AssembledBatch):
         return samples.batch
     if not samples:
         raise ValueError("cannot collate an empty batch")
+    if sources is not None and len(sources) != len(samples):
+        raise ValueError(f"sources names {len(sources)} sources for a batch of {len(samples)} samples")
     fields = _batch_fields(samples)
     offsets, nbytes = layout(fields)
     buffer = BatchBuffer(nbytes, shared=get_worker_info() is not None)
@@ -64,6 +67,8 @@ def collate_image_edit(
             buffer.lease.cancel()
         raise
     batch = _batch_dict(samples, fields, tensors, position, skipped)
+    if sources is not None:
+        batch["metadata"]["sources"] = list(sources)
     if not buffer.shared:
         return batch
     # A dict at run time: the batch, handed to the training process through its one shared buffer.

@@ -60,6 +60,7 @@ class BatchMetadata(_BatchMetadataKeys, total=False):
     position: list[int]  # [epoch, step in the epoch plan], for batches from our sampler
     skipped: int  # under the "skip" policy, even when 0
     skipped_samples: list[SkippedSample]
+    sources: list[str]  # per sample, the name of the source it came from, for batches of a mixture (`sources=`)
 
 
 class Batch(TypedDict):

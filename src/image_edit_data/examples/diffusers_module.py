@@ -42,6 +42,7 @@ from image_edit_data.examples.diffusers_inputs import (
     step_generator,
     weighted_mse,
 )
+from image_edit_data.mixture import MixtureDataset
 
 
 class DiffusersEditModule(LightningModule):
@@ -167,8 +168,9 @@ class DiffusersEditModule(LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         for name in ("train_dataset", "val_dataset"):
             dataset = getattr(datamodule, name, None)
-            if isinstance(dataset, ImageEditDataset):
-                check_cache(dataset, self.expected_inputs())
+            for cache in dataset.sources if isinstance(dataset, MixtureDataset) else [dataset]:  # each source
+                if isinstance(cache, ImageEditDataset):
+                    check_cache(cache, self.expected_inputs())
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
@@ -22,6 +21,7 @@ from ..build.demo_cache import write_demo_cache
 from ..dataset import ImageEditDataset
 from ..index.index import MANIFEST
 from ..loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
+from ..mixture import MixtureDataset
 from ..sampling.resume import restore
 from ..sampling.sampler import BucketBatchSampler, ResumeMismatchError, migrate_state
 from .loader import FailedLoader, LightningLoader
@@ -49,19 +49,21 @@ class ImageEditDataModule(pl.LightningDataModule):
     a YAML config sets them flat under `data:`.
 
     Args:
-        cache_dir: Training cache directory (metadata.json, shards, payloads).
+        cache_dir: Training cache directory (metadata.json, shards, payloads), or a URL. Leave it unset to train
+            on a mixture instead: `sources`, a list of `CacheSource` (`cache_dir`, `weight`, ...; docs/mixtures.md).
         batch_size: Samples per batch and rank (the base size when `dynamic_batch_size`).
         val_cache_dir: Optional validation cache; every sample is seen once per validation run.
         on_resume_mismatch: "raise" refuses a checkpoint whose data or config differ; "restart_epoch"
             deliberately reshuffles: it keeps the epoch number and starts that epoch afresh.
-        demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`) holds no cache yet, first write the
-            procedural demo cache there with this many samples (a tenth for validation). For quickstarts.
-        **options: Any other field of `ImageEditDataloaderConfig`.
+        demo_samples: When > 0 and `cache_dir` (or `val_cache_dir`, or a local source) holds no cache yet,
+            first write the procedural demo cache there with this many samples (a tenth for validation).
+            For quickstarts.
+        **options: Any other field of `ImageEditDataloaderConfig`, `sources` and `samples_per_epoch` among them.
     """
 
     def __init__(
         self,
-        cache_dir: str,
+        cache_dir: str | None = None,
         batch_size: int = 4,
         val_cache_dir: str | None = None,
         on_resume_mismatch: ResumeMismatch = "raise",
@@ -80,8 +82,8 @@ class ImageEditDataModule(pl.LightningDataModule):
         module_options = {"batch_size": batch_size, "val_cache_dir": val_cache_dir}
         module_options |= {"on_resume_mismatch": on_resume_mismatch, "demo_samples": demo_samples}
         self.save_hyperparameters({**dataclasses.asdict(self.config), **module_options})
-        self.train_dataset: ImageEditDataset | None = None
-        self.val_dataset: ImageEditDataset | None = None
+        self.train_dataset: ImageEditDataset | MixtureDataset | None = None
+        self.val_dataset: ImageEditDataset | MixtureDataset | None = None
         self.train_loader: LightningLoader | None = None
         self._open_loaders: list[LightningLoader] = []
         self._pending_state: dict[str, Any] | None = None
@@ -90,14 +92,19 @@ class ImageEditDataModule(pl.LightningDataModule):
         """Write the demo caches when asked to and absent (Lightning runs this on one process only)."""
         if self.demo_samples <= 0:
             return
-        targets = [(self.config.cache_dir, self.demo_samples, 0)]
+        config = self.config
+        if config.sources is None:
+            targets = [(config.location(), self.demo_samples, 0)]
+        else:  # one demo cache per source, each from its own seed (0, 2, 3, ...: 1 is validation's)
+            seeds = [0, *range(2, len(config.sources) + 1)]
+            targets = [(config.location(source=s), self.demo_samples, n) for s, n in zip(config.sources, seeds)]
         if self.val_cache_dir:
-            targets.append((self.val_cache_dir, max(1, self.demo_samples // 10), 1))
-        for directory, count, seed in targets:
-            if not self.config.location(directory).is_local:
+            targets.append((config.location(self.val_cache_dir), max(1, self.demo_samples // 10), 1))
+        for location, count, seed in targets:
+            if location.local_path is None:
                 continue  # a remote cache is never written here
-            if not (Path(directory) / MANIFEST).exists():
-                write_demo_cache(directory, count, seed)
+            if not (location.local_path / MANIFEST).exists():
+                write_demo_cache(location.local_path, count, seed)
 
     def setup(self, stage: str) -> None:
         """Open the caches this stage needs (index only: cheap, and done once)."""
@@ -106,7 +113,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         if stage in ("fit", "validate") and self.val_cache_dir and self.val_dataset is None:
             self.val_dataset = self.config.open_dataset(self.val_cache_dir)
         if stage == "test" and self.val_dataset is None:
-            self.val_dataset = self.config.open_dataset(self.val_cache_dir or self.config.cache_dir)
+            self.val_dataset = self.config.open_dataset(self.val_cache_dir)  # None: the training cache or mixture
 
     def data_parallel(self) -> tuple[int, int]:
         """(rank, world size) of data parallelism, as Lightning's strategy shards data."""

@@ -1,19 +1,22 @@
-"""A Lightning callback that reports throughput, the time spent waiting for data, and the bucket mix.
+"""A Lightning callback that reports throughput, the time spent waiting for data, and the bucket and source mix.
 
-Per training batch it reads only tensor shapes and the plain-int counts in `batch["metadata"]`
-(no `.item()`, no device sync) and times the gap before `on_train_batch_start` against the whole
-step with `time.perf_counter`. Rank 0 logs the numbers through the trainer's loggers; at each
-train epoch end every rank keeps a per-bucket summary and rank 0 prints it.
+Per training batch it reads only tensor shapes, the plain-int counts and the source names in
+`batch["metadata"]` (no `.item()`, no device sync) and times the gap before `on_train_batch_start`
+against the whole step with `time.perf_counter`. Rank 0 logs the numbers through the trainer's
+loggers; at each train epoch end every rank keeps a per-bucket and per-source summary and rank 0
+prints it.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -34,11 +37,13 @@ class _Tally:
     text_tokens: int = 0
     wait_seconds: float = 0.0
     step_seconds: float = 0.0
+    sources: Counter[str] = field(default_factory=Counter)  # samples per source, for batches of a mixture
 
     def add(self, metadata: Mapping[str, Any], wait_seconds: float, step_seconds: float) -> None:
         """Count one batch from its collate metadata and its timings."""
         self.batches += 1
         self.samples += metadata["batch_size"]
+        self.sources.update(metadata.get("sources", ()))
         self.skipped += metadata.get("skipped", 0)
         self.latent_tokens += metadata["target_token_count"] + metadata["context_token_count"]
         self.text_tokens += metadata["text_token_count"]
@@ -72,6 +77,12 @@ class ImageEditDataMonitor(Callback):
     `epoch_wait_fraction`, `epoch_buckets`. Bucket ids are the index's (`ImageEditDataset.signatures`
     order) when the training loader's dataset is an image-edit cache; for other data they number
     signatures in order of first appearance. `bucket_signatures[id]` maps back.
+
+    Batches of a mixture (`metadata["sources"]`) add, per source name: `source_share/<name>` per
+    step (its share of this rank's samples this epoch so far), and per epoch
+    `epoch_source_samples/<name>` and `epoch_source_share/<name>` (summed over ranks) and
+    `source_target_share/<name>` (weight over the sum of weights, read from the training loader's
+    `MixtureDataset`).
     """
 
     def __init__(self, log_every_n_steps: int = 1, prefix: str = "data/") -> None:
@@ -90,6 +101,7 @@ class ImageEditDataMonitor(Callback):
         self.last_signature: str | None = None
         self.last_bucket_id: int | None = None
         self.epoch_summaries: list[dict[str, Any]] = []
+        self.source_targets: dict[str, float] = {}  # source name -> target share, when training on a mixture
         self._bucket_ids: dict[str, int] = {}
         self._window = _Tally()
         self._epoch = _Tally()
@@ -110,10 +122,19 @@ class ImageEditDataMonitor(Callback):
         self.bucket_signatures = [signature.describe() for signature in signatures]
         self._bucket_ids = {signature: i for i, signature in enumerate(self.bucket_signatures)}
 
+    def use_sources(self, names: Sequence[str], weights: Sequence[float]) -> None:
+        """Report each source's share against its target: `weights[i] / sum(weights)` for `names[i]`."""
+        total = sum(weights)
+        self.source_targets = {name: weight / total for name, weight in zip(names, weights)}
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        signatures = getattr(getattr(trainer.train_dataloader, "dataset", None), "signatures", None)
+        dataset = getattr(trainer.train_dataloader, "dataset", None)
+        signatures = getattr(dataset, "signatures", None)
         if signatures is not None:  # the loader reads an image-edit cache: take its index's bucket ids
             self.use_index(signatures)
+        names, weights = getattr(dataset, "names", None), getattr(dataset, "weights", None)
+        if names is not None and weights is not None:  # a mixture: its sources' target shares
+            self.use_sources(names, weights)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_end = time.perf_counter()
@@ -141,6 +162,7 @@ class ImageEditDataMonitor(Callback):
             tally.add(metadata, wait, step)
         if self._window.batches >= self.log_every_n_steps:
             window, self._window = self._window, _Tally()
+            epoch_sources = sum(self._epoch.sources.values())
             self._log(
                 trainer,
                 {
@@ -150,6 +172,10 @@ class ImageEditDataMonitor(Callback):
                     "wait_fraction": window.wait_fraction,
                     "bucket_id": bucket_id,
                     "skipped_samples": window.skipped,
+                    **{
+                        f"source_share/{name}": count / epoch_sources if epoch_sources else 0.0
+                        for name, count in self._source_counts(self._epoch.sources)
+                    },
                 },
             )
 
@@ -163,7 +189,7 @@ class ImageEditDataMonitor(Callback):
         self._validation_start = None
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        summary = self._summary(trainer.current_epoch)
+        summary = self._summary(trainer.current_epoch, self._all_ranks_sources(trainer, pl_module))
         self.epoch_summaries.append(summary)
         rank_zero_info(_format_summary(summary))
         epoch = self._epoch
@@ -176,6 +202,9 @@ class ImageEditDataMonitor(Callback):
                 "epoch_samples_per_sec": epoch.per_second(epoch.samples),
                 "epoch_wait_fraction": epoch.wait_fraction,
                 "epoch_buckets": len(self._epoch_buckets),
+                **{f"epoch_source_samples/{s['name']}": s["samples"] for s in summary["sources"]},
+                **{f"epoch_source_share/{s['name']}": s["share"] for s in summary["sources"]},
+                **{f"source_target_share/{n}": target for n, target in self.source_targets.items()},
             },
         )
 
@@ -190,8 +219,28 @@ class ImageEditDataMonitor(Callback):
         self.bucket_signatures = list(state_dict["bucket_signatures"])
         self._bucket_ids = {signature: i for i, signature in enumerate(self.bucket_signatures)}
 
-    def _summary(self, epoch: int) -> dict[str, Any]:
-        """This epoch's totals and per-bucket counts (buckets in id order; share is of samples)."""
+    def _source_counts(self, counts: Counter[str]) -> list[tuple[str, int]]:
+        """(source, samples): the mixture's sources in order (seen or not), then any others seen.
+
+        Empty when no batch named its source and no mixture is known.
+        """
+        if not counts and not self.source_targets:
+            return []
+        names = [*self.source_targets, *(n for n in counts if n not in self.source_targets)]
+        return [(name, counts[name]) for name in names]
+
+    def _all_ranks_sources(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Counter[str]:
+        """This epoch's samples per source, summed over ranks (one all-reduce, at the epoch's end)."""
+        counts = self._epoch.sources
+        if not self.source_targets or getattr(trainer, "world_size", 1) <= 1:
+            return counts
+        names = list(self.source_targets)  # the mixture's order: the same on every rank
+        mine = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=pl_module.device)
+        total = trainer.strategy.reduce(mine, reduce_op="sum")
+        return Counter(dict(zip(names, (int(n) for n in total.tolist()))))
+
+    def _summary(self, epoch: int, source_counts: Counter[str] | None = None) -> dict[str, Any]:
+        """This epoch's totals, per-bucket and per-source counts (buckets in id order; shares are of samples)."""
         total = self._epoch
         buckets = [
             {
@@ -203,6 +252,17 @@ class ImageEditDataMonitor(Callback):
             }
             for bucket_id, tally in sorted(self._epoch_buckets.items())
         ]
+        source_counts = total.sources if source_counts is None else source_counts
+        counted = sum(source_counts.values())
+        sources = [
+            {
+                "name": name,
+                "samples": samples,
+                "share": samples / counted if counted else 0.0,
+                "target": self.source_targets.get(name),
+            }
+            for name, samples in self._source_counts(source_counts)
+        ]
         return {
             "epoch": epoch,
             "batches": total.batches,
@@ -212,6 +272,7 @@ class ImageEditDataMonitor(Callback):
             "text_tokens": total.text_tokens,
             "wait_fraction": total.wait_fraction,
             "buckets": buckets,
+            "sources": sources,
         }
 
     def _log(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
@@ -236,4 +297,11 @@ def _format_summary(summary: Mapping[str, Any]) -> str:
         f"{b['bucket_id']:>4} {b['batches']:>8} {b['samples']:>8} {b['share']:>6.1%}  {b['signature']}"
         for b in summary["buckets"]
     ]
+    if summary["sources"]:
+        lines.append(f"{'samples':>8} {'share':>6} {'target':>6}  source")
+        lines += [
+            f"{s['samples']:>8} {s['share']:>6.1%} {'-' if s['target'] is None else format(s['target'], '.1%'):>6}"
+            f"  {s['name']}"
+            for s in summary["sources"]
+        ]
     return "\n".join(lines)

@@ -4,15 +4,22 @@ An epoch is a sequence of *steps*. At each step every rank takes one batch, all 
 bucket, so ranks always run the same shapes in lockstep and always have the same batch count.
 Within a bucket the (shuffled) samples are padded by cycling until every rank gets the same
 number, dealt round-robin to ranks, and cut into batches.
+
+A mixture (`mixture.py`) draws each epoch's samples first, some of them more than once; the plan
+then deals *entries* (positions in that epoch's draw, each unique) and maps them to sample ids, so
+an elastic re-deal tells a repeated sample's two draws apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .mixture import Mixture
 
 BucketOrder = Literal["interleaved", "sequential"]
 Tail = Literal["drop", "short", "pad"]  # short last batch: dropped, kept short, or filled by cycling
@@ -20,26 +27,39 @@ Tail = Literal["drop", "short", "pad"]  # short last batch: dropped, kept short,
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Steps of one epoch; rank r's batch at step t is `flat[start[t] + r*size[t] : start[t] + (r+1)*size[t]]`."""
+    """Steps of one epoch; rank r's batch at step t is `flat[start[t] + r*size[t] : start[t] + (r+1)*size[t]]`.
+
+    `flat` holds entries; `samples[entry]` is the sample id of an entry of a mixture's draw, and
+    without `samples` (a single cache read once) entries are the sample ids.
+    """
 
     world_size: int
-    flat: np.ndarray  # [sum over steps of world_size * size] sample indices
+    flat: np.ndarray  # [sum over steps of world_size * size] entries
     start: np.ndarray  # [T] int64 offset of each step in `flat`, in epoch order
     size: np.ndarray  # [T] int64 per-rank batch size of each step
     bucket: np.ndarray  # [T] int32 bucket id of each step
+    samples: np.ndarray | None = None  # [entries] sample id of each entry, or None: entries are sample ids
 
     def __len__(self) -> int:
         return int(self.start.shape[0])
 
+    def ids(self, entries: np.ndarray) -> np.ndarray:
+        """The sample ids of `entries`."""
+        return entries if self.samples is None else self.samples[entries]
+
     def batch(self, step: int, rank: int) -> np.ndarray:
         """Sample indices rank `rank` trains on at step `step`."""
         begin = int(self.start[step]) + rank * int(self.size[step])
-        return self.flat[begin : begin + int(self.size[step])]
+        return self.ids(self.flat[begin : begin + int(self.size[step])])
 
-    def step_samples(self, steps: slice) -> np.ndarray:
-        """All ranks' sample indices over a range of steps (with rank padding repeats)."""
+    def step_entries(self, steps: slice | np.ndarray) -> np.ndarray:
+        """All ranks' entries over a range of steps (with rank padding repeats)."""
         parts = [self.flat[s : s + self.world_size * n] for s, n in zip(self.start[steps], self.size[steps])]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=self.flat.dtype)
+
+    def step_samples(self, steps: slice | np.ndarray) -> np.ndarray:
+        """All ranks' sample indices over a range of steps (with rank padding repeats)."""
+        return self.ids(self.step_entries(steps))
 
 
 def rng_for(seed: int, *keys: int) -> np.random.Generator:
@@ -148,6 +168,7 @@ def plan_epoch(
     history: Sequence[tuple[int, int]] = (),
     shard_of: np.ndarray | None = None,
     shard_window: int = 0,
+    mixture: Mixture | None = None,
 ) -> EpochPlan:
     """The plan every rank follows for `epoch`.
 
@@ -155,8 +176,14 @@ def plan_epoch(
     `(world_size, steps consumed)`. Their consumed samples are removed and the rest is dealt
     again to `world_size` ranks (elastic resume); continuation segments pad short tails instead
     of dropping them, so no sample that was due in this epoch is lost. `shard_of` and
-    `shard_window` make the shuffle shard-local (see `shuffled_members`).
+    `shard_window` make the shuffle shard-local (see `shuffled_members`). With `mixture`, the
+    buckets' members are first drawn for this epoch (`Mixture.epoch_members`).
     """
+    samples = None
+    if mixture is not None:
+        members, samples = as_entries(mixture.epoch_members(members, seed, epoch))
+        if shard_of is not None:
+            shard_of = shard_of[samples]  # shuffling looks shards up by entry
     ordered = shuffled_members(members, seed, epoch, shuffle, shard_of, shard_window)
     tail: Tail = "drop" if drop_last else "short"
     rng = rng_for(seed, epoch, 1 << 20) if shuffle else None
@@ -166,20 +193,33 @@ def plan_epoch(
         ordered = remaining_members(plan, consumed, len(members))
         rng = rng_for(seed, epoch, 1 << 20, segment) if shuffle else None
         plan = plan_steps(ordered, batch_sizes, worlds[segment], "pad" if drop_last else "short", order, rng)
-    return plan
+    return plan if samples is None else replace(plan, samples=samples)
+
+
+def as_entries(drawn: Sequence[np.ndarray]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per bucket, entries numbering the drawn samples (consecutive, bucket after bucket), and entry -> sample id.
+
+    Shuffling an array permutes it by its length alone, so entries shuffled and mapped back give
+    the same ids as the drawn ids shuffled themselves.
+    """
+    samples = np.concatenate(drawn) if drawn else np.zeros(0, dtype=np.int64)
+    entry_type = np.int32 if samples.shape[0] < 2**31 else np.int64
+    ends = np.cumsum([d.shape[0] for d in drawn], dtype=np.int64)
+    entries = [np.arange(end - d.shape[0], end, dtype=entry_type) for d, end in zip(drawn, ends)]
+    return entries, samples
 
 
 def remaining_members(plan: EpochPlan, consumed: int, num_buckets: int) -> list[np.ndarray]:
-    """Per bucket, the samples of `plan` not trained on in its first `consumed` steps, in plan order."""
-    done = plan.step_samples(slice(0, consumed))
+    """Per bucket, the entries of `plan` not trained on in its first `consumed` steps, in plan order."""
+    done = plan.step_entries(slice(0, consumed))
     remaining = []
     for bucket_id in range(num_buckets):
         steps = np.flatnonzero(plan.bucket[consumed:] == bucket_id) + consumed
         if steps.size == 0:
             remaining.append(np.zeros(0, dtype=plan.flat.dtype))
             continue
-        samples = plan.step_samples(steps)  # type: ignore[arg-type]
-        _, first = np.unique(samples, return_index=True)
-        samples = samples[np.sort(first)]  # drop rank-padding repeats, keep order
-        remaining.append(samples[~np.isin(samples, done)])
+        entries = plan.step_entries(steps)
+        _, first = np.unique(entries, return_index=True)
+        entries = entries[np.sort(first)]  # drop rank-padding repeats, keep order
+        remaining.append(entries[~np.isin(entries, done)])
     return remaining

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .mixture import Mixture
 from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
 
 STATE_VERSION = 1
@@ -69,6 +70,7 @@ class BucketBatchSampler:
         elastic: bool = False,
         shard_of: np.ndarray | None = None,
         shard_window: int = 0,
+        mixture: Mixture | None = None,
     ) -> None:
         check_rank(rank, world_size)
         if len(batch_sizes) != len(bucket_members):
@@ -95,6 +97,8 @@ class BucketBatchSampler:
         # Packed caches: sample -> shard, and the shard-local shuffle window (0: shuffle whole buckets).
         self.shard_of = shard_of
         self.shard_window = shard_window
+        # The sources the members come from and each one's share of an epoch (None: every member once per epoch).
+        self.mixture = mixture
         # Called as observer(self, step) as each batch is handed out, and with step = len(self) once the
         # epoch is handed out (the remote shard prefetcher).
         self.observer: Callable[[Any, int], None] | None = None
@@ -133,6 +137,7 @@ class BucketBatchSampler:
                 history=self.history,
                 shard_of=self.shard_of,
                 shard_window=self.shard_window,
+                mixture=self.mixture,
             )
             self._plan_key = key
         return self._plan
@@ -149,7 +154,10 @@ class BucketBatchSampler:
 
     def steady_length(self) -> int:
         """Batches of an epoch without elastic history: what every later epoch has on these ranks."""
-        steps = step_count([len(m) for m in self.bucket_members], self.batch_sizes, self.world_size, self.drop_last)
+        sizes = [len(m) for m in self.bucket_members]
+        if self.mixture is not None:
+            sizes = self.mixture.bucket_draws(self.bucket_members)
+        steps = step_count(sizes, self.batch_sizes, self.world_size, self.drop_last)
         return steps if self.max_batches is None else min(steps, self.max_batches)
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -206,9 +214,14 @@ class BucketBatchSampler:
             self.advance_epoch(epoch)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What must match for a saved position to mean the same samples on resume."""
+        """What must match for a saved position to mean the same samples on resume.
+
+        A single cache read once per epoch keeps the keys it always had, so older checkpoints still
+        match; a mixture of several sources replaces `data` with each source's data and weight.
+        """
+        mixed = self.mixture.fingerprint() if self.mixture is not None else {}
         return {
-            "data": self.data_fingerprint,
+            **({} if "sources" in mixed else {"data": self.data_fingerprint}),
             "batch_sizes": list(self.batch_sizes),
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -216,6 +229,7 @@ class BucketBatchSampler:
             "bucket_order": self.bucket_order,
             "world_size": self.world_size,
             **({"shard_window": self.shard_window} if self.shard_window else {}),  # absent: old checkpoints match
+            **mixed,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -238,7 +252,11 @@ class BucketBatchSampler:
         saved = state["fingerprint"]
         current = self.fingerprint()
         allowed = set(allow_changes) | ({"world_size"} if self.elastic else set())
-        changed = describe_changes(saved, current, allowed)
+        if "sources" in saved or "sources" in current:  # a mixture on either side: compare source by source
+            saved, current = comparable(saved), comparable(current)
+        labels = source_labels(saved, current)
+        allowed |= {f"{source}.name" for source in labels}  # names label messages; a renamed source resumes
+        changed = describe_changes(saved, current, allowed, labels)
         if changed:
             elastic_hint = any(line.startswith("world_size") for line in changed)
             hint = " (set elastic=True to continue on a new world size)" if elastic_hint else ""
@@ -283,7 +301,12 @@ class EvalBatchSampler(BucketBatchSampler):
             )
             mine = slice(self.rank, None, self.world_size)
             self._plan = EpochPlan(
-                world_size=1, flat=whole.flat, start=whole.start[mine], size=whole.size[mine], bucket=whole.bucket[mine]
+                world_size=1,
+                flat=whole.flat,
+                start=whole.start[mine],
+                size=whole.size[mine],
+                bucket=whole.bucket[mine],
+                samples=whole.samples,
             )
         return self._plan
 
@@ -324,10 +347,36 @@ def migrate_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return dict(state)
 
 
-def describe_changes(saved: Mapping[str, Any], current: Mapping[str, Any], allowed: set[str]) -> list[str]:
-    """One `key: checkpoint X, now Y` line per differing fingerprint key not in `allowed`."""
+def comparable(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """A fingerprint in the mixture's terms, so a single cache compares with a mixture source by source."""
+    result = dict(fingerprint)
+    if "sources" not in result:
+        result["sources"] = 1
+        result["sources[0].data"] = result.pop("data", None)
+    return result
+
+
+def source_labels(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, str]:
+    """`sources[i]` -> its name (the current one, else the checkpoint's), from the fingerprints' `sources[i].name`."""
+    labels: dict[str, str] = {}
+    for fingerprint in (saved, current):
+        for key, value in fingerprint.items():
+            if key.startswith("sources[") and key.endswith("].name"):
+                labels[key.removesuffix(".name")] = str(value)
+    return labels
+
+
+def describe_changes(
+    saved: Mapping[str, Any], current: Mapping[str, Any], allowed: set[str], labels: Mapping[str, str] | None = None
+) -> list[str]:
+    """One `key: checkpoint X, now Y` line per differing fingerprint key not in `allowed`.
+
+    A key of a mixture's source (`sources[1].weight`) is followed by the source's name from `labels`.
+    """
     lines = []
     for key in sorted(set(saved) | set(current)):
         if key not in allowed and saved.get(key) != current.get(key):
-            lines.append(f"{key}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}")
+            source = key.partition("]")[0] + "]" if key.startswith("sources[") else ""
+            label = f" ({labels[source]!r})" if labels and source in labels else ""
+            lines.append(f"{key}{label}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}")
     return lines
