@@ -1,7 +1,7 @@
 """A real Lightning fit of a tiny diffusers edit transformer that records every step's samples and loss, per rank.
 
 Run as a script (the tests start it in a subprocess):
-    python tests/support/diffusers_fit.py CACHE OUT --arch qwen --max-steps 8 [--devices 2] [--kill-at-step 4] [--ckpt PATH]
+    python tests/support/diffusers_fit.py CACHE OUT --arch qwen --max-steps 8 [--devices 2] [--kill-at-step 4]
 The model is the tiny config's (`configs/tiny/`). OUT/rank{r}.jsonl gets one line per training batch,
 `{"step", "ids", "contexts", "loss"}`; OUT/rank{r}.initial.json and OUT/rank{r}.params.json hold every parameter's sum
 when training starts and when fit ends, to compare ranks. Checkpoints `step={s}.ckpt` go to OUT/ckpt every
@@ -23,6 +23,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from image_edit_data import ImageEditDataModule
 from image_edit_data.examples.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
+
+if __package__ in (None, ""):  # run as a script, as the tests do: make the `support` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from support import ROOT
 from support.fits import KillAfterCheckpoint
 

@@ -52,6 +52,7 @@ def run_json(tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture) -> 
     return json.loads(out.read_text()), printed
 
 
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
 def test_bench_reports_every_number_for_ours_naive_and_bare_loop(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     argv = ["--make-synthetic", "40", "--out", str(tmp_path / "cache"), *TINY, "--batches", "5", "--warmup", "2"]
     results, printed = run_json(tmp_path, [*argv, "--num-workers", "0", "2", "--compare-naive"], capsys)
@@ -124,6 +125,7 @@ def test_bench_measures_an_existing_safetensors_cache_without_json(
     assert "bare load loop" in printed and "re-open (stored index)" in printed
 
 
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
 def test_rounds_time_the_loaders_in_turns_and_report_each_ones_fastest_round(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -150,6 +152,7 @@ def test_rounds_time_the_loaders_in_turns_and_report_each_ones_fastest_round(
     assert "fastest of 3 rounds" in printed and "slowest round" in printed
 
 
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
 def test_index_only_writes_no_payloads_and_measures_the_parse_and_the_stored_reopen(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -226,6 +229,7 @@ def test_hardlink_cache_starts_a_new_copy_at_the_filesystems_link_limit(
     assert len(ImageEditDataset(tmp_path)) == 25
 
 
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
 def test_worker_memory_runs_one_whole_epoch_and_samples_each_worker(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -320,6 +324,7 @@ def test_compare_reference_says_how_to_install_the_reference_when_it_cannot_be_i
     assert not (tmp_path / "cache").exists()  # refused before writing anything
 
 
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
 def test_compare_reference_measures_the_reference_on_a_pt_twin_of_a_safetensors_cache(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -338,6 +343,7 @@ def test_compare_reference_measures_the_reference_on_a_pt_twin_of_a_safetensors_
     assert math.isclose(ratio, runs["ours", 0]["samples_s"] / runs["reference", 0]["samples_s"])
 
 
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
 def test_compare_reference_in_the_index_only_and_worker_memory_modes(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -354,6 +360,7 @@ def test_compare_reference_in_the_index_only_and_worker_memory_modes(
     assert all(len(e["workers"]) == 2 for e in results["epochs"])
 
 
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
 def test_the_hand_off_script_prints_cpu_per_batch_for_ours_and_for_torch_alone(tmp_path: Path) -> None:
     cache = tiny_cache(tmp_path / "cache", counts=(100,))  # 25 batches: warm-up and timed batches fit
     script = ROOT / "scripts" / "bench_handoff.py"
