@@ -5,11 +5,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers: `from support.caches import ...`
+
+from support.caches import tiny_cache
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,22 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def qwen_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Qwen-Image-Edit Plus pipeline saved to disk, one per test module."""
-    from _pipeline_helpers import qwen_image_edit_pipeline  # diffusers and transformers: only where used
+    from support.pipelines import qwen_image_edit_pipeline  # diffusers and transformers: only where used
 
     return qwen_image_edit_pipeline(tmp_path_factory.mktemp("pipelines") / "qwen-image-edit-plus")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny three-bucket cache (13, 11 and 9 samples), one per test module."""
+    return tiny_cache(tmp_path_factory.mktemp("cache"), counts=(13, 11, 9))
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[dict[str, Any]]:
+    """moto's S3 server on 127.0.0.1 with an empty bucket "bucket"; its storage options (dummy credentials)."""
+    from image_edit_data.bench.s3_server import make_bucket, moto_server
+
+    with moto_server() as options:
+        make_bucket(options, "bucket")
+        yield options

@@ -1,0 +1,7 @@
+"""Factories, harnesses and servers the tests share (importable: conftest.py puts tests/ on sys.path)."""
+
+from pathlib import Path
+
+SUPPORT = Path(__file__).resolve().parent
+TESTS = SUPPORT.parent
+ROOT = TESTS.parent  # the repository checkout

@@ -1,0 +1,376 @@
+"""`image-edit-data bench` on tiny synthetic caches: every number present and sane, no timing thresholds."""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support import ROOT
+from support.caches import tiny_cache
+
+import image_edit_data.bench.run as bench_run
+from image_edit_data.bench.command import bench_main
+from image_edit_data.bench.index_opens import forget_stored_index, stored_index_files
+from image_edit_data.bench.measure import cpu_model
+from image_edit_data.bench.reference import convert_payloads, pt_name, write_pt_twin_index
+from image_edit_data.bench.synthetic import (
+    INDEX_ONLY_SIGNATURES,
+    synthetic_spec,
+    write_hardlink_cache,
+    write_index_only_cache,
+    write_synthetic_cache,
+)
+from image_edit_data.dataset import ImageEditDataset
+from image_edit_data.index.index import load_index
+from image_edit_data.index.store import open_index
+from image_edit_data.payload.payload import load_payload
+
+TINY = ["--latent", "4x8x8", "--prompt", "8x16", "--memcpy-mib", "16"]
+# Where the reference loader may be unpacked (`pip download nemo-automodel`, unzip); it may also be installed.
+REFERENCE_PATH = os.environ.get("IMAGE_EDIT_REFERENCE_PATH")
+REFERENCE_ARGS = ["--compare-reference", *(["--reference-path", REFERENCE_PATH] if REFERENCE_PATH else [])]
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def run_json(tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture) -> tuple[dict[str, Any], str]:
+    out = tmp_path / "out.json"
+    code = bench_main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    return json.loads(out.read_text()), printed
+
+
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
+def test_bench_reports_every_number_for_ours_naive_and_bare_loop(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--make-synthetic", "40", "--out", str(tmp_path / "cache"), *TINY, "--batches", "5", "--warmup", "2"]
+    results, printed = run_json(tmp_path, [*argv, "--num-workers", "0", "2", "--compare-naive"], capsys)
+
+    machine = results["machine"]
+    assert machine["cpu_model"] == cpu_model()
+    assert positive(machine["cpu_count"]) and positive(machine["cpus_usable"])
+    assert machine["torch_version"] == torch.__version__
+    assert machine["torch_threads"] == torch.get_num_threads()
+    assert machine["load_average_1m"] >= 0 and machine["load_average_1m_end"] >= 0
+    facts = (machine["cpu_model"], f"{machine['cpu_count']} CPUs", f"torch {torch.__version__}", "get_num_threads()")
+    for fact in facts:
+        assert fact in printed
+
+    parse, stored = results["index"]
+    assert (parse["loader"], parse["open"], stored["loader"], stored["open"]) == ("ours", "parse", "ours", "stored")
+    assert parse["from_store"] is False and stored["from_store"] is True
+    for row in (parse, stored):
+        for key in ("seconds", "traced_retained_bytes", "traced_peak_bytes", "retained_bytes_per_sample"):
+            assert positive(row[key]), key
+        assert row["samples"] == 40 and row["seconds_over_reference"] is None
+        assert row["index_array_bytes"] == load_index(tmp_path / "cache").nbytes
+        assert isinstance(row["rss_growth_bytes"], int)  # may be 0 when the allocator had room already
+    assert results["reference"] is None
+
+    memcpy = results["memcpy"]
+    for key in ("mb_s", "single_thread_mb_s", "torch_mb_s", "buffer_bytes"):
+        assert positive(memcpy[key]), key
+    assert memcpy["mb_s"] == max(memcpy["single_thread_mb_s"], memcpy["torch_mb_s"])
+    assert positive(results["page_cache"]["mb_s"]) and results["page_cache"]["files"] == 28  # 2 + 5 batches of 4
+    assert "page-cache read rate" in printed
+
+    assert results["cache"]["samples"] == 40 and results["cache"]["kept"] is True
+    assert results["settings"]["measured_batches"] == 5
+    runs = {(r["loader"], r["num_workers"]): r for r in results["runs"]}
+    assert set(runs) == {("ours", 0), ("ours", 2), ("naive", 0), ("naive", 2), ("bare", None)}
+    sample_bytes = (tmp_path / "cache" / "samples" / "sample_00000000.pt").stat().st_size
+    for run in runs.values():
+        assert run["batches"] == 5 and run["samples"] == 20
+        assert run["payload_bytes"] == 20 * sample_bytes  # every loader is charged for the same files
+        for key in ("seconds", "samples_s", "mb_s", "memcpy_fraction"):
+            assert positive(run[key]), (run["loader"], key)
+        assert run["memcpy_fraction"] <= 1 + 1e-6
+        assert math.isclose(run["mb_s"], run["memcpy_fraction"] * memcpy["mb_s"])
+        assert run["load_average_1m"] >= 0
+    for workers in (0, 2):
+        ours = runs[("ours", workers)]
+        assert math.isclose(ours["ours_over_naive"], ours["samples_s"] / runs[("naive", workers)]["samples_s"])
+        assert math.isclose(ours["ours_over_bare"], ours["samples_s"] / runs[("bare", None)]["samples_s"])
+        assert ours["ours_over_reference"] is None
+    assert runs[("ours", 0)]["workers"] == [] and runs[("bare", None)]["workers"] == []
+    for key in (("ours", 2), ("naive", 2)):
+        workers = runs[key]["workers"]
+        assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
+        for worker in workers:
+            assert positive(worker["uss_start_bytes"]) and positive(worker["uss_end_bytes"])
+            assert worker["uss_growth_bytes"] == worker["uss_end_bytes"] - worker["uss_start_bytes"]
+
+
+def test_bench_measures_an_existing_safetensors_cache_without_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    spec = synthetic_spec("small", "4x8x8", "8x16", contexts=2, payload_format="safetensors")
+    write_synthetic_cache(tmp_path / "cache", 24, spec)
+    argv = [str(tmp_path / "cache"), "--batches", "3", "--warmup", "1", "--compare-naive", "--memcpy-mib", "16"]
+    code = bench_main(argv)
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "24 samples" in printed and "safetensors payloads" in printed
+    assert "bare load loop" in printed and "re-open (stored index)" in printed
+
+
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
+def test_rounds_time_the_loaders_in_turns_and_report_each_ones_fastest_round(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+
+    def recording(measure: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            run = measure(*args, **kwargs)
+            order.append(f"{run.loader} {run.num_workers}")
+            return run
+
+        return timed
+
+    monkeypatch.setattr(bench_run, "timed_batches", recording(bench_run.timed_batches))
+    monkeypatch.setattr(bench_run, "bare_loop", recording(bench_run.bare_loop))
+    argv = ["--make-synthetic", "24", *TINY, "--batches", "2", "--warmup", "1", "--compare-naive", "--rounds", "3"]
+    results, printed = run_json(tmp_path, argv, capsys)
+    assert order == ["ours 0", "naive 0", "bare None"] * 3
+    assert len(results["runs"]) == 3
+    for run in results["runs"]:
+        assert len(run["rounds_samples_s"]) == 3 and all(positive(rate) for rate in run["rounds_samples_s"])
+        assert math.isclose(run["samples_s"], max(run["rounds_samples_s"]))
+        assert math.isclose(run["seconds"], run["samples"] / run["samples_s"])
+    assert "fastest of 3 rounds" in printed and "slowest round" in printed
+
+
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
+def test_index_only_writes_no_payloads_and_measures_the_parse_and_the_stored_reopen(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    results, printed = run_json(tmp_path, ["--make-synthetic", "2500", "--index-only", "--out", str(cache)], capsys)
+    assert sorted(p.name for p in cache.iterdir()) == [
+        ".image_edit_data",
+        "metadata.json",
+        "metadata_shard_0000.json",
+        "metadata_shard_0001.json",
+        "metadata_shard_0002.json",
+    ]
+    assert results["mode"] == "index" and results["runs"] == [] and results["memcpy"] is None
+    assert results["cache"] == {
+        "path": str(cache.resolve()),
+        "samples": 2500,
+        "buckets": len(INDEX_ONLY_SIGNATURES),
+        "synthetic": {**results["cache"]["synthetic"]},
+        "kept": True,
+    }
+    parse, stored = results["index"]
+    assert (parse["from_store"], stored["from_store"]) == (False, True)
+    assert parse["samples"] == stored["samples"] == 2500
+    assert stored["index_array_bytes"] == open_index(cache).nbytes
+    assert "first open (parse)" in printed and "Loaders" not in printed
+
+
+def test_index_only_records_carry_the_fields_of_a_real_cache(tmp_path: Path) -> None:
+    write_index_only_cache(tmp_path, 1200, "safetensors")
+    records = json.loads((tmp_path / "metadata_shard_0000.json").read_text())
+    assert len(records) == 1000
+    first = records[0]
+    assert set(first) == {
+        "cache_file",
+        "compound_bucket_signature",
+        "original_id",
+        "row_index",
+        "target_token_length",
+        "context_token_lengths",
+        "text_token_length",
+    }
+    assert first["cache_file"] == "samples/sample_00000000.safetensors" and first["row_index"] == 0
+    for record in records:
+        assert len(record["context_token_lengths"]) == len(record["compound_bucket_signature"]["contexts"])
+    index = load_index(tmp_path)
+    assert len(index) == 1200 and len(index.signatures) == len(INDEX_ONLY_SIGNATURES)
+    assert not (tmp_path / "samples").exists()
+
+
+def test_hardlink_cache_gives_every_record_its_own_path_to_one_payload(tmp_path: Path) -> None:
+    write_hardlink_cache(tmp_path, 30)
+    files = sorted((tmp_path / "samples").iterdir())
+    assert len(files) == 30 and len({f.stat().st_ino for f in files}) == 1
+    assert files[0].stat().st_nlink == 30
+    dataset = ImageEditDataset(tmp_path)
+    assert len(dataset) == 30
+    assert [dataset[i]["metadata"]["original_ids"] for i in (0, 29)] == [{"id": "synthetic-0"}] * 2
+
+
+def test_hardlink_cache_starts_a_new_copy_at_the_filesystems_link_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link = os.link
+
+    def limited_link(source: Path, target: Path) -> None:  # a filesystem allowing 10 links per file
+        if Path(source).stat().st_nlink >= 10:
+            raise OSError(errno.EMLINK, "Too many links")
+        link(source, target)
+
+    monkeypatch.setattr("image_edit_data.bench.synthetic.os.link", limited_link)
+    write_hardlink_cache(tmp_path, 25)
+    files = sorted((tmp_path / "samples").iterdir())
+    assert sorted(f.stat().st_nlink for f in files) == [5] * 5 + [10] * 20
+    assert len(ImageEditDataset(tmp_path)) == 25
+
+
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
+def test_worker_memory_runs_one_whole_epoch_and_samples_each_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["--worker-memory-index", "60", "--batch-size", "2", "--warmup", "2"]
+    results, printed = run_json(tmp_path, argv, capsys)
+    assert results["mode"] == "worker-memory" and results["cache"]["samples"] == 60
+    (epoch,) = results["epochs"]
+    assert (epoch["loader"], epoch["num_workers"], epoch["batches"], epoch["samples"]) == ("ours", 2, 28, 56)
+    assert positive(epoch["seconds"]) and positive(epoch["samples_s"])
+    assert len(epoch["workers"]) == 2
+    for worker in epoch["workers"]:
+        assert positive(worker["uss_start_bytes"]) and positive(worker["uss_end_bytes"])
+        assert worker["uss_max_bytes"] >= max(worker["uss_start_bytes"], worker["uss_end_bytes"])
+    assert "Worker memory over one epoch of 60 records" in printed
+    assert not Path(results["cache"]["path"]).exists()  # temporary, removed
+
+
+def test_forgetting_the_stored_index_keeps_the_quarantine_list(tmp_path: Path) -> None:
+    write_index_only_cache(tmp_path, 10, "pt")
+    open_index(tmp_path)
+    (stored,) = [p for p in stored_index_files(tmp_path) if p.is_file()]
+    quarantine = tmp_path / ".image_edit_data" / "quarantine.jsonl"
+    quarantine.write_text("{}\n")
+    forget_stored_index(tmp_path)
+    assert not stored.exists() and quarantine.read_text() == "{}\n"
+
+
+def test_pt_twin_of_a_safetensors_cache_holds_the_same_tensors_and_only_their_bytes(tmp_path: Path) -> None:
+    spec = synthetic_spec("small", "4x16x16", "8x64", contexts=1, payload_format="safetensors")
+    index = load_index(write_synthetic_cache(tmp_path / "cache", 6, spec))
+    twin = tmp_path / "twin"
+    write_pt_twin_index(index, twin)
+    convert_payloads(index, twin, [1, 4])
+    assert sorted(p.name for p in (twin / "samples").iterdir()) == ["sample_00000001.pt", "sample_00000004.pt"]
+    twin_index = load_index(twin)
+    assert [twin_index.relative_path(i) for i in range(6)] == [pt_name(index.relative_path(i)) for i in range(6)]
+    original = load_payload(index.payload_path(4), "original")
+    copy = load_payload(twin / "samples" / "sample_00000004.pt", "copy")
+    assert torch.equal(copy["target_latent"], original["target_latent"])
+    assert torch.equal(copy["prompt_embeddings"], original["prompt_embeddings"])
+    assert copy["metadata"] == original["metadata"]
+    # Views of the mapped file were copied out: the .pt holds each tensor once, not the whole file per tensor.
+    assert (twin / "samples" / "sample_00000004.pt").stat().st_size < spec.tensor_bytes + 10_000
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        ([], 2, "expected CACHE_DIR, or --make-synthetic N"),
+        (["somewhere", "--make-synthetic", "4"], 2, "either CACHE_DIR or --make-synthetic"),
+        (["--make-synthetic", "4", "--latent", "16x64"], 2, "--latent: expected 3 positive integers like 16x64x64"),
+        (["cache", "--num-workers", "0", "-1"], 2, "--num-workers: expected an integer >= 0, got -1"),
+        (["cache", "--batch-size", "0"], 2, "--batch-size: expected an integer >= 1, got 0"),
+        (["cache", "--rounds", "0"], 2, "--rounds: expected an integer >= 1, got 0"),
+        (["cache", "--torch-threads", "0"], 2, "--torch-threads: expected an integer >= 1, got 0"),
+        (["cache", "--wait-load", "0"], 2, "--wait-load: expected a positive load average, got 0.0"),
+        (
+            ["cache", "--json", "no/such/dir/out.json"],
+            2,
+            "--json: the directory of no/such/dir/out.json does not exist",
+        ),
+        (["--worker-memory-index", "8", "--num-workers", "0"], 2, "expected --num-workers >= 1, got 0"),
+        (["cache", "--worker-memory-index", "8"], 2, "--worker-memory-index N writes its own cache"),
+        (["cache", "--compare-reference", "--reference-path", "no/such/dir"], 2, "no/such/dir is not a directory"),
+        (["no-such-cache"], 1, "no-such-cache: cache directory does not exist"),
+        (
+            ["--make-synthetic", "8", *TINY, "--warmup", "2"],
+            1,
+            "one epoch has 2 batches of 4, not more than --warmup 2",
+        ),
+    ],
+)
+def test_bench_refuses_bad_options_with_a_sentence(
+    argv: list[str], code: int, message: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(Path(__file__).parent)  # "no-such-cache" and "no/such/dir" are relative to here
+    assert bench_main(argv) == code
+    assert message in capsys.readouterr().out
+
+
+def test_compare_reference_says_how_to_install_the_reference_when_it_cannot_be_imported(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not importable, whatever is installed or was imported by earlier tests.
+    for name in [name for name in sys.modules if name.startswith("nemo_automodel.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "nemo_automodel", None)
+    assert bench_main(["--make-synthetic", "8", "--out", str(tmp_path / "cache"), "--compare-reference"]) == 2
+    printed = capsys.readouterr().out
+    assert "cannot import the reference loader" in printed and "pip install --no-deps nemo-automodel" in printed
+    assert "--reference-path DIR" in printed
+    assert not (tmp_path / "cache").exists()  # refused before writing anything
+
+
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
+def test_compare_reference_measures_the_reference_on_a_pt_twin_of_a_safetensors_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["--make-synthetic", "32", "--format", "safetensors", *TINY, "--batches", "4", "--warmup", "1"]
+    results, printed = run_json(tmp_path, [*argv, "--rounds", "2", *REFERENCE_ARGS], capsys)
+    assert results["reference"]["version"] and "reference (NeMo)" in printed
+    assert all(len(run["rounds_samples_s"]) == 2 for run in results["runs"])
+    *ours, reference = results["index"]
+    assert reference["loader"] == "reference" and reference["samples"] == 32
+    for row in ours:
+        assert math.isclose(row["seconds_over_reference"], row["seconds"] / reference["seconds"])
+    runs = {(r["loader"], r["num_workers"]): r for r in results["runs"]}
+    assert set(runs) == {("ours", 0), ("reference", 0)}
+    assert runs["reference", 0]["samples"] == 16 and positive(runs["reference", 0]["samples_s"])
+    ratio = runs["ours", 0]["ours_over_reference"]
+    assert math.isclose(ratio, runs["ours", 0]["samples_s"] / runs["reference", 0]["samples_s"])
+
+
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
+def test_compare_reference_in_the_index_only_and_worker_memory_modes(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    results, _ = run_json(tmp_path, ["--make-synthetic", "1500", "--index-only", *REFERENCE_ARGS], capsys)
+    assert [(r["loader"], r["open"]) for r in results["index"]] == [
+        ("ours", "parse"),
+        ("ours", "stored"),
+        ("reference", "parse"),
+    ]
+    assert results["index"][2]["samples"] == 1500 and results["index"][2]["index_array_bytes"] is None
+    argv = ["--worker-memory-index", "40", "--batch-size", "2", "--warmup", "2", *REFERENCE_ARGS]
+    results, _ = run_json(tmp_path, argv, capsys)
+    assert [(e["loader"], e["batches"]) for e in results["epochs"]] == [("ours", 18), ("reference", 18)]
+    assert all(len(e["workers"]) == 2 for e in results["epochs"])
+
+
+@pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
+def test_the_hand_off_script_prints_cpu_per_batch_for_ours_and_for_torch_alone(tmp_path: Path) -> None:
+    cache = tiny_cache(tmp_path / "cache", counts=(100,))  # 25 batches: warm-up and timed batches fit
+    script = ROOT / "scripts" / "bench_handoff.py"
+    command = [sys.executable, str(script), str(cache), "--num-workers", "0", "1", "--batches", "5"]
+    printed = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300).stdout
+    labels = [line.split(" wall ")[0].strip() for line in printed.splitlines()]
+    assert labels == ["ours, 0 workers", "ours, 1 workers", "torch's hand-off alone, 1 workers"]
+    for line in printed.splitlines():
+        wall, main, workers, worker_main, worker_other = map(float, re.findall(r"(\d+\.\d+)", line))
+        assert wall > 0 and main > 0
+        assert workers == pytest.approx(worker_main + worker_other, abs=0.011)
+        if "0 workers" in line:  # CPU time comes in 10 ms ticks: a few tiny batches in a worker may show 0.00
+            assert workers == 0

@@ -1,0 +1,75 @@
+"""The command line: every shipped config parses, and the quickstart fits, checkpoints and resumes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from support import ROOT
+
+from image_edit_data.__main__ import COMMANDS, main
+from image_edit_data.build.cli import cache_parser
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "image_edit_data", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=600, env=env)
+
+
+def test_help_lists_every_command_and_every_cache_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    # What the dispatch accepts, and the subcommands the real `cache` parser accepts (from its usage line).
+    commands = set(COMMANDS)
+    subcommands = re.search(r"\{([^}]*)\}", cache_parser().format_usage())
+    assert subcommands is not None and {"build", "convert", "pack"} <= set(subcommands[1].split(","))
+    assert {"fit", "cache", "demo-cache", "bench"} <= commands
+    assert commands <= {words[0] for words in lines}, out
+    assert {f"cache {name}" for name in subcommands[1].split(",")} <= {" ".join(words[:2]) for words in lines}, out
+
+
+def test_unknown_command_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train"]) == 2
+    assert "unknown command 'train'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_shipped_config_parses_against_the_real_cli(
+    config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:  # --print_config prints the parsed config and exits
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exited.value.code in (0, None), capsys.readouterr().err[-2000:]
+    model_class = yaml.safe_load(config.read_text())["model"]["class_path"]
+    assert f"class_path: {model_class}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_quickstart_builds_its_cache_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
+    small = [
+        "--config", str(ROOT / "configs/quickstart.yaml"),
+        "--data.demo_samples", "320", "--data.batch_size", "8", "--data.num_workers", "0",
+        "--model.init_args.hidden_dim", "64", "--model.init_args.depth", "2", "--model.init_args.warmup_steps", "5",
+        "--trainer.max_epochs", "1",
+    ]  # fmt: skip
+    first = cli("fit", *small, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "data/demo-train/metadata.json").exists()
+    assert (tmp_path / "data/demo-val/metadata.json").exists()
+    assert (tmp_path / "runs/quickstart/checkpoints/last.ckpt").exists()
+    report = re.search(r"train/loss: first ([\d.]+), final ([\d.]+)", first.stdout + first.stderr)
+    assert report is not None, "the run reports its first and final loss"
+    assert float(report[2]) < 0.8 * float(report[1]), f"the loss falls clearly: {report[0]}"
+    resumed = cli("fit", *small[:-1], "2", "--ckpt_path", "last", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in resumed.stdout + resumed.stderr
