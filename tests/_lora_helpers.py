@@ -106,3 +106,22 @@ def randomize_adapter(module: DiffusersEditModule, seed: int = 0, scale: float =
         for parameter in module.parameters():
             if parameter.requires_grad:
                 parameter.copy_(scale * torch.randn(parameter.shape, generator=generator))
+
+
+def random_cache(
+    root: Path, arch: str, samples: int = 4, contexts: int = 1, side: int = 4, channels: int = LATENT_CHANNELS
+) -> Path:
+    """Random samples in the shapes the tiny pipeline of `arch` encodes (`side`x`side` latents, prompts, pooled)."""
+    from cachefactory import make_payload, write_cache
+
+    text = QWEN_HIDDEN if arch == "qwen" else T5_HIDDEN
+    shape = (channels, side, side)
+    payloads = []
+    for i in range(samples):
+        g = torch.Generator().manual_seed(i)
+        conditioning = {} if arch == "qwen" else {"pooled_prompt_embeds": torch.randn(CLIP_HIDDEN, generator=g)}
+        payload = make_payload(i, shape, [shape] * contexts, sequence=3 + i % 3, hidden=text, conditioning=conditioning)
+        payload["target_latent"] = torch.randn(shape, generator=g)
+        payload["context_latents"] = [torch.randn(shape, generator=g) for _ in range(contexts)]
+        payloads.append(payload)
+    return write_cache(root, payloads)
