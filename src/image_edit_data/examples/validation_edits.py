@@ -102,14 +102,17 @@ class ValidationEdits(pl.Callback):
     def load(self, pl_module: Any) -> None:
         """Load the pipeline's scheduler and VAE once, the VAE in the transformer's dtype on its device."""
         import diffusers
+        from packaging.version import Version
 
         path = self.pipeline_directory(pl_module)
         index = json.loads((path / "model_index.json").read_text())
         scheduler_class = getattr(diffusers, index["scheduler"][1])
         self.scheduler = scheduler_class.from_pretrained(path, subfolder="scheduler", local_files_only=True)
         vae_class = getattr(diffusers, index["vae"][1])
-        self.vae = vae_class.from_pretrained(path, subfolder="vae", local_files_only=True)
-        self.vae.to(pl_module.device, pl_module.weight_dtype).eval().requires_grad_(False)
+        dtype_key = "dtype" if Version(diffusers.__version__) >= Version("0.40") else "torch_dtype"
+        options = {dtype_key: pl_module.weight_dtype, "local_files_only": True}
+        self.vae = vae_class.from_pretrained(path, subfolder="vae", **options)
+        self.vae.to(pl_module.device).eval().requires_grad_(False)
 
     def run(self, trainer: pl.Trainer, pl_module: Any) -> None:
         """Edit every chosen sample, then write and log the grids (rank 0)."""
