@@ -6,7 +6,7 @@ import sys
 
 import _pipeline_helpers  # noqa: F401  diffusers loads the tiny Qwen processor class only from an imported module
 
-from image_edit_data.cache.cli import cache_main
+from image_edit_data.build.cli import cache_main
 
 if __name__ == "__main__":
     sys.exit(cache_main(sys.argv[1:]))

@@ -1,5 +1,5 @@
-"""The test S3 endpoint (moto's server on 127.0.0.1): see image_edit_data/storage/local_s3.py."""
+"""The test S3 endpoint (moto's server on 127.0.0.1): see image_edit_data/bench/s3_server.py."""
 
-from image_edit_data.storage.local_s3 import make_bucket, moto_server
+from image_edit_data.bench.s3_server import make_bucket, moto_server
 
 __all__ = ["make_bucket", "moto_server"]

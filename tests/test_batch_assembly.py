@@ -23,7 +23,7 @@ from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEd
 from image_edit_data.batch.buffer import BatchBuffer, BufferPool, halves_by_bytes
 from image_edit_data.batch.shared_batch import SharedBatch
 from image_edit_data.batch.shared_ring import CAPACITY, RECEIVED
-from image_edit_data.payload.file_tensor import FileTensor
+from image_edit_data.contract.file_tensor import FileTensor
 from image_edit_data.payload.torch_save.torch_zip import zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}

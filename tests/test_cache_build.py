@@ -24,12 +24,12 @@ from _build_helpers import (
 from cachefactory import same_samples
 
 from image_edit_data import ImageEditDataModule, ImageEditDataset
-from image_edit_data.cache.build import BuildOptions, build_cache
-from image_edit_data.cache.encoders import PromptTruncationWarning, Truncation
-from image_edit_data.cache.hf_encoders import DiffusersVAEEncoder, TransformersTextEncoder
-from image_edit_data.cache.hf_source import HFDatasetSource
-from image_edit_data.cache.resize import ResizePolicy, to_pixels
-from image_edit_data.cache.sources import JsonlManifestSource
+from image_edit_data.build.encoders.base import PromptTruncationWarning, Truncation
+from image_edit_data.build.encoders.hf import DiffusersVAEEncoder, TransformersTextEncoder
+from image_edit_data.build.run.build import BuildOptions, build_cache
+from image_edit_data.build.run.resize import ResizePolicy, to_pixels
+from image_edit_data.build.sources.hf import HFDatasetSource
+from image_edit_data.build.sources.manifest import JsonlManifestSource
 
 RESIZE = ResizePolicy("max_pixels", max_pixels=32 * 32, spatial_alignment=16, upscale=True)
 

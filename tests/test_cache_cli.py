@@ -24,10 +24,10 @@ from _build_helpers import (
 )
 
 from image_edit_data import ImageEditDataset
-from image_edit_data.cache.build import BuildOptions, build_cache
-from image_edit_data.cache.cli import cache_main, demo_cache_main
-from image_edit_data.cache.resize import ResizePolicy
-from image_edit_data.cache.sources import JsonlManifestSource
+from image_edit_data.build.cli import cache_main, demo_cache_main
+from image_edit_data.build.run.build import BuildOptions, build_cache
+from image_edit_data.build.run.resize import ResizePolicy
+from image_edit_data.build.sources.manifest import JsonlManifestSource
 from image_edit_data.payload.payload import load_payload
 
 SLOW_ENCODER = "_build_helpers.SlowDemoImageEncoder"

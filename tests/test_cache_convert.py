@@ -9,8 +9,8 @@ import pytest
 import torch
 from cachefactory import make_payload, same_samples, tiny_cache, write_cache
 
-from image_edit_data.cache.cli import cache_main
-from image_edit_data.cache.convert import convert_cache
+from image_edit_data.build.cli import cache_main
+from image_edit_data.build.tools.convert import convert_cache
 from image_edit_data.dataset import ImageEditDataset
 
 

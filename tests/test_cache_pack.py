@@ -17,8 +17,8 @@ import xxhash
 from cachefactory import same_samples, tiny_cache
 from packedcopies import copy_cache, drop_local_checksums, flip_member_byte, sample_in_shard
 
-from image_edit_data.cache.cli import cache_main
-from image_edit_data.cache.pack import pack_cache
+from image_edit_data.build.cli import cache_main
+from image_edit_data.build.tools.pack import pack_cache
 from image_edit_data.contract.validate import CacheFormatError
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.index.index import CacheIndex

@@ -12,11 +12,12 @@ from _build_helpers import DEMO_SPECS, drawing, parquet_rows, png_bytes, write_l
 from PIL import Image
 
 from image_edit_data import ImageEditDataset
-from image_edit_data.cache.build import BuildOptions, build_cache
-from image_edit_data.cache.demo import DemoSource
-from image_edit_data.cache.records import RawEditSample
-from image_edit_data.cache.resize import ResizePolicy
-from image_edit_data.cache.sources import BadSampleError, JsonlManifestSource, SequenceSource
+from image_edit_data.build.run.build import BuildOptions, build_cache
+from image_edit_data.build.run.resize import ResizePolicy
+from image_edit_data.build.sources.base import BadSampleError, SequenceSource
+from image_edit_data.build.sources.demo import DemoSource
+from image_edit_data.build.sources.manifest import JsonlManifestSource
+from image_edit_data.build.sources.records import RawEditSample
 
 RESIZE = ResizePolicy("max_pixels", max_pixels=32 * 32, spatial_alignment=16, upscale=True)
 
@@ -194,7 +195,7 @@ def test_resize_none_refuses_misaligned_images(raw: Path, tmp_path: Path) -> Non
 def test_hf_source_reads_a_column_mapping_with_every_image_form(tmp_path: Path) -> None:
     import datasets
 
-    from image_edit_data.cache.hf_source import HFDatasetSource
+    from image_edit_data.build.sources.hf import HFDatasetSource
 
     image = drawing((32, 32), 3)
     columns = {
@@ -228,7 +229,7 @@ HF_BAD_ROWS = [
 
 @pytest.mark.parametrize(("change", "kind", "message"), HF_BAD_ROWS)
 def test_a_bad_data_set_row_is_reported_with_its_row(tmp_path: Path, change: dict, kind: str, message: str) -> None:
-    from image_edit_data.cache.hf_source import HFDatasetSource
+    from image_edit_data.build.sources.hf import HFDatasetSource
 
     columns = parquet_rows(3)
     for name, value in change.items():
@@ -246,7 +247,7 @@ def test_a_bad_data_set_row_is_reported_with_its_row(tmp_path: Path, change: dic
 def test_hf_source_refuses_unknown_columns_and_splits(tmp_path: Path) -> None:
     import datasets
 
-    from image_edit_data.cache.hf_source import HFDatasetSource
+    from image_edit_data.build.sources.hf import HFDatasetSource
 
     path = write_parquet(tmp_path / "x.parquet", parquet_rows(2))
     with pytest.raises(ValueError, match=r"columns \['edited_image'\] not found; the data set has"):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from image_edit_data.__main__ import COMMANDS, main
-from image_edit_data.cache.cli import cache_parser
+from image_edit_data.build.cli import cache_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

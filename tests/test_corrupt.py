@@ -12,7 +12,7 @@ from cachefactory import tiny_cache
 from packedcopies import flip_member_byte, sample_in_shard
 
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig
-from image_edit_data.cache.pack import pack_cache
+from image_edit_data.build.tools.pack import pack_cache
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.payload.corrupt import TooManyCorruptSamplesError
 

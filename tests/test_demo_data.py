@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from image_edit_data.cache.demo import DemoSource
-from image_edit_data.cache.demo_encoders import (
+from image_edit_data.build.encoders.base import ImageDecoder, ImageEncoder, TextEncoder
+from image_edit_data.build.encoders.demo import (
     DEMO_LATENT_CHANNELS,
     DEMO_TEXT_DIM,
     DemoImageEncoder,
@@ -19,8 +19,8 @@ from image_edit_data.cache.demo_encoders import (
     pil_to_tensor,
     tensor_to_pil,
 )
-from image_edit_data.cache.encoders import ImageDecoder, ImageEncoder, TextEncoder
-from image_edit_data.cache.records import RawEditSample
+from image_edit_data.build.sources.demo import DemoSource
+from image_edit_data.build.sources.records import RawEditSample
 
 
 def _fingerprint(sample: RawEditSample) -> tuple[object, ...]:

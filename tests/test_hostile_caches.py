@@ -26,7 +26,7 @@ import torch
 from cachefactory import make_payload, write_cache
 
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.cache.cli import cache_main
+from image_edit_data.build.cli import cache_main
 from image_edit_data.index.index import MAX_MANIFEST_BYTES
 from image_edit_data.index.store import candidate_paths, serialize, store_key
 from image_edit_data.payload.payload import to_safetensors

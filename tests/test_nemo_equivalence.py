@@ -19,7 +19,7 @@ from _build_helpers import drawing, write_lines
 from _pipeline_helpers import QWEN, build, edit_manifest
 from PIL import Image, ImageOps
 
-from image_edit_data.cache.resize import ResizePolicy
+from image_edit_data.build.run.resize import ResizePolicy
 from image_edit_data.payload import load_payload
 
 try:  # not skipped when absent: this claim must be checked wherever the suite runs

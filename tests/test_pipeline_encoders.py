@@ -30,7 +30,7 @@ from _pipeline_helpers import (
 from PIL import Image
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset
-from image_edit_data.cache.cli import cache_main
+from image_edit_data.build.cli import cache_main
 from image_edit_data.payload import load_payload
 
 CLI_SCRIPT = Path(__file__).with_name("_pipeline_cli.py")
@@ -75,7 +75,7 @@ def test_a_qwen_image_edit_cache_validates_and_loads_in_batches(
 
 
 def test_qwen_prompt_embeddings_depend_on_the_condition_images(tmp_path: Path, qwen_path: Path) -> None:
-    from image_edit_data.cache.pipelines import QwenImageEditEncoder
+    from image_edit_data.build.encoders.pipelines import QwenImageEditEncoder
 
     encoder = QwenImageEditEncoder(str(qwen_path), torch_dtype="float32")
     red, blue = drawing((48, 80), 1), drawing((48, 80), 2)
@@ -86,7 +86,7 @@ def test_qwen_prompt_embeddings_depend_on_the_condition_images(tmp_path: Path, q
 
 
 def test_the_first_qwen_image_edit_pipeline_looks_at_one_condition_at_1024_squared(tmp_path: Path) -> None:
-    from image_edit_data.cache.pipelines import QwenImageEditEncoder
+    from image_edit_data.build.encoders.pipelines import QwenImageEditEncoder
 
     encoder = QwenImageEditEncoder(str(qwen_image_edit_pipeline(tmp_path / "edit", plus=False)), torch_dtype="float32")
     image = drawing((48, 80), 1)
@@ -202,7 +202,7 @@ def test_a_qwen_prompt_cap_that_cuts_warns_for_each_sample_records_the_cut_and_n
 ) -> None:
     from nemo_automodel.components.datasets.diffusion.image_edit_dataset import ImageEditDataset as NemoDataset
 
-    from image_edit_data.cache.encoders import PromptTruncationWarning
+    from image_edit_data.build.encoders.base import PromptTruncationWarning
 
     manifest = condition_manifest(tmp_path / "raw", [(1024, 768), (768, 1024), (1024, 1024)], rows=2)
     cache = tmp_path / "cache"
@@ -234,7 +234,7 @@ def test_a_qwen_prompt_cap_that_cuts_warns_for_each_sample_records_the_cut_and_n
 def test_a_kontext_cache_is_cut_where_the_pipeline_cuts_and_says_so(tmp_path: Path, kontext_path: Path) -> None:
     from diffusers import FluxKontextPipeline
 
-    from image_edit_data.cache.encoders import PromptTruncationWarning
+    from image_edit_data.build.encoders.base import PromptTruncationWarning
 
     prompt = "make the sky red and add a cat to the tree to the dog"  # 14 words; "and" is unknown to both vocabularies
     manifest = condition_manifest(tmp_path / "raw", [], prompt=prompt)
@@ -266,7 +266,7 @@ def test_a_kontext_cache_is_cut_where_the_pipeline_cuts_and_says_so(tmp_path: Pa
 
 
 def test_a_kontext_prompt_length_the_pipeline_refuses_is_refused_before_loading(tmp_path: Path) -> None:
-    from image_edit_data.cache.pipelines import FluxKontextEncoder
+    from image_edit_data.build.encoders.pipelines import FluxKontextEncoder
 
     with pytest.raises(ValueError, match=r"max_sequence_length: FluxKontextPipeline takes 1 to 512 T5 tokens, got 513"):
         FluxKontextEncoder(str(tmp_path / "not-loaded"), max_sequence_length=513)
@@ -289,8 +289,8 @@ def test_a_kontext_cache_stores_the_pooled_clip_embedding_as_conditioning(tmp_pa
 def test_kontext_latents_use_the_pipelines_shift_and_scaling_factor(kontext_path: Path) -> None:
     from diffusers import AutoencoderKL
 
-    from image_edit_data.cache.pipelines import FluxKontextEncoder
-    from image_edit_data.cache.resize import to_pixels
+    from image_edit_data.build.encoders.pipelines import FluxKontextEncoder
+    from image_edit_data.build.run.resize import to_pixels
 
     encoder = FluxKontextEncoder(str(kontext_path), torch_dtype="float32")
     images = to_pixels([drawing((32, 16), 3)])
@@ -300,7 +300,7 @@ def test_kontext_latents_use_the_pipelines_shift_and_scaling_factor(kontext_path
 
 
 def test_a_pipeline_directory_without_a_vae_is_refused_naming_the_component(tmp_path: Path) -> None:
-    from image_edit_data.cache.pipelines import QwenImageEditEncoder
+    from image_edit_data.build.encoders.pipelines import QwenImageEditEncoder
 
     path = qwen_image_edit_pipeline(tmp_path / "no-vae", parts=("text",))
     with pytest.raises(
@@ -312,7 +312,7 @@ def test_a_pipeline_directory_without_a_vae_is_refused_naming_the_component(tmp_
 def test_a_pipeline_directory_without_a_text_encoder_is_refused_naming_the_component(
     tmp_path: Path, kontext_path: Path
 ) -> None:
-    from image_edit_data.cache.pipelines import FluxKontextEncoder
+    from image_edit_data.build.encoders.pipelines import FluxKontextEncoder
 
     path = tmp_path / "kontext"
     shutil.copytree(kontext_path, path)
@@ -328,12 +328,13 @@ def test_a_pipeline_directory_without_a_text_encoder_is_refused_naming_the_compo
 def test_an_unsupported_pipeline_class_is_refused_naming_the_file_and_the_right_encoder(
     tmp_path: Path, qwen_path: Path
 ) -> None:
-    from image_edit_data.cache.pipelines import FluxKontextEncoder
+    from image_edit_data.build.encoders.pipelines import FluxKontextEncoder
 
     with pytest.raises(
         ValueError,
         match=r"model_index.json: _class_name: FluxKontextEncoder encodes FluxKontextPipeline, "
-        r"got QwenImageEditPlusPipeline; use image_edit_data.cache.pipelines.qwen_image_edit.QwenImageEditEncoder",
+        r"got QwenImageEditPlusPipeline; use "
+        r"image_edit_data.build.encoders.pipelines.qwen_image_edit.QwenImageEditEncoder",
     ):
         FluxKontextEncoder(str(qwen_path))
     path = tmp_path / "sdxl"
@@ -367,7 +368,8 @@ def test_a_missing_condition_image_is_a_bad_sample_naming_the_file(
     ]
     assert cache_main([*args, "--quiet", "--max-pixels", "4096"]) == 1
     assert "broken.jsonl line 2: media[2].file_name: 'images/gone.png' does not exist" in capsys.readouterr().out
-    from image_edit_data.cache.sources import BadSampleError, JsonlManifestSource
+    from image_edit_data.build.sources.base import BadSampleError
+    from image_edit_data.build.sources.manifest import JsonlManifestSource
 
     with pytest.raises(BadSampleError, match=r"line 2: media\[2\].file_name: 'images/gone.png' does not exist"):
         JsonlManifestSource(broken).read(1)

@@ -15,7 +15,7 @@ from cachefactory import make_payload, write_cache
 import image_edit_data.payload.payload as payload_module
 import image_edit_data.payload.torch_save._private_torch as private_module
 from image_edit_data import ImageEditDataset, collate_image_edit
-from image_edit_data.payload.file_tensor import FileTensor
+from image_edit_data.contract.file_tensor import FileTensor
 from image_edit_data.payload.payload import open_payload
 from image_edit_data.payload.torch_save._private_torch import (
     NotAByteRange,

@@ -1,4 +1,4 @@
-"""The public surface: root names, subpackage `__all__`s, Lightning loaded only on demand, deprecated paths."""
+"""The public surface: root names, subpackage `__all__`s, Lightning loaded only on demand, config class paths."""
 
 from __future__ import annotations
 
@@ -17,22 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = [
     "batch",
     "bench",
-    "cache",
+    "build",
     "contract",
     "examples",
     "index",
     "lightning",
+    "loading",
     "payload",
     "sampling",
     "storage",
 ]
 WITHOUT_LIGHTNING = [name for name in SUBPACKAGES if name not in ("examples", "lightning")]
-MOVED = [
-    ("image_edit_data.model", "image_edit_data.examples.model", "ImageEditFlowModel"),
-    ("image_edit_data.monitor", "image_edit_data.lightning.monitor", "ImageEditDataMonitor"),
-    ("image_edit_data.datamodule", "image_edit_data.lightning.datamodule", "ImageEditDataModule"),
-    ("image_edit_data.lightning_loader", "image_edit_data.lightning.loader", "LightningLoader"),
-]
 
 
 def test_every_public_name_imports_from_the_package_root() -> None:
@@ -70,16 +65,6 @@ def test_the_data_path_and_the_help_text_load_without_lightning() -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize(("old", "new", "name"), MOVED, ids=[old for old, _, _ in MOVED])
-def test_a_moved_module_still_imports_from_its_old_path_with_a_deprecation_warning(
-    monkeypatch: pytest.MonkeyPatch, old: str, new: str, name: str
-) -> None:
-    monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(FutureWarning, match=f"{old} is deprecated .* use {new}"):
-        shim = importlib.import_module(old)
-    assert getattr(shim, name) is getattr(importlib.import_module(new), name)
-
-
 def class_paths(value: object) -> list[str]:
     """Every `class_path` in a parsed YAML document."""
     if isinstance(value, dict):
@@ -90,11 +75,13 @@ def class_paths(value: object) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda path: path.name)
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: str(path.relative_to(ROOT / "configs")))
 def test_configs_name_classes_by_their_current_paths(config: Path) -> None:
     paths = [path for path in class_paths(yaml.safe_load(config.read_text())) if path.startswith("image_edit_data.")]
     assert paths
     for path in paths:
         module, _, name = path.rpartition(".")
-        assert module not in {old for old, _, _ in MOVED}, f"{config.name}: {path} is a deprecated path"
-        assert getattr(importlib.import_module(module), name) is not None
+        assert getattr(importlib.import_module(module), name) is not None, f"{config.name}: {path}"

@@ -29,12 +29,12 @@ from process_group import run_process_group
 from s3server import make_bucket, moto_server
 
 from image_edit_data.__main__ import main
-from image_edit_data.cache.cli import cache_main
-from image_edit_data.cache.pack import pack_cache
+from image_edit_data.build.cli import cache_main
+from image_edit_data.build.tools.pack import pack_cache
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.errors import CacheFormatError
 from image_edit_data.loader import ImageEditDataloaderConfig
-from image_edit_data.storage.location import open_location
+from image_edit_data.storage.location import CacheLocation
 from image_edit_data.storage.remote import RemoteError, RemoteStore, RetryPolicy
 from image_edit_data.storage.shard_cache import ShardCache
 
@@ -135,7 +135,7 @@ def test_a_truncated_or_replaced_shard_is_refused_and_leaves_nothing_in_the_loca
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
     url = copy_packed(s3, packed_url, "damaged")
-    index, reader = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path))
+    index, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path)).open()
     assert reader is not None and reader.store is not None
     first, second = index.shards[0], index.shards[1]
     data = fs(s3).cat_file(f"bucket/damaged/{first.path}")
@@ -169,7 +169,7 @@ def test_a_budget_smaller_than_one_shard_is_refused(s3: dict[str, Any], packed_u
 def test_eviction_never_removes_a_pinned_shard_and_orphaned_downloads_are_cleaned(
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
-    index, reader = open_location(packed_url, storage_options=s3, local_cache_dir=str(tmp_path))
+    index, reader = CacheLocation.of(packed_url, storage_options=s3, local_cache_dir=str(tmp_path)).open()
     assert reader is not None and reader.store is not None
     directory = tmp_path / "shards"
     directory.mkdir()
@@ -304,7 +304,7 @@ def test_the_prefetcher_downloads_the_shards_the_plan_reads_next_within_the_budg
 def test_a_shard_another_process_is_downloading_is_not_fetched_twice(
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
-    index, reader = open_location(packed_url, storage_options=s3, local_cache_dir=str(tmp_path))
+    index, reader = CacheLocation.of(packed_url, storage_options=s3, local_cache_dir=str(tmp_path)).open()
     assert reader is not None and reader.store is not None
     directory = tmp_path / "shards"
     cache = ShardCache(reader.store, index.shards, directory, 4 * 10240)
@@ -392,7 +392,7 @@ def test_a_flipped_byte_inside_a_member_is_refused_in_range_mode_naming_shard_me
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
     url = copy_packed(s3, packed_url, "flipped-range")
-    index, reader = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path))
+    index, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path)).open()
     assert reader is not None
     victim, neighbour = two_in_shard(index, 0)
     display, recorded, found, _ = damage_member(s3, url, index, victim)
@@ -407,7 +407,7 @@ def test_a_damaged_shard_is_marked_for_the_node_and_its_damaged_member_is_not_se
 ) -> None:
     url = copy_packed(s3, packed_url, "flipped-cache")
     options = dict(remote_read="shard_cache", shard_cache_bytes=10 * 10240)
-    index, reader = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path), **options)  # type: ignore[arg-type]
+    index, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path), **options).open()  # type: ignore[arg-type]
     assert reader is not None and reader.shard_cache is not None and reader.store is not None
     cache, shard = reader.shard_cache, index.shards[0]
     victim, neighbour = two_in_shard(index, 0)
@@ -439,7 +439,7 @@ def test_no_reader_on_the_node_reads_a_shard_marked_damaged_of_a_cache_without_m
 ) -> None:
     url = old_format_copy(s3, packed_url, "old-damaged")
     options = dict(remote_read="shard_cache", shard_cache_bytes=10 * 10240)
-    index, reader = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path), **options)  # type: ignore[arg-type]
+    index, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path), **options).open()  # type: ignore[arg-type]
     assert reader is not None and reader.shard_cache is not None and reader.store is not None
     assert index.member_checksum is None
     victim, neighbour = two_in_shard(index, 0)
@@ -455,7 +455,9 @@ def test_no_reader_on_the_node_reads_a_shard_marked_damaged_of_a_cache_without_m
     with pytest.raises(CacheFormatError, match="none of its members is read"):
         reader.open(neighbour)  # intact or not, nothing of it can be checked
     assert reader.store.stats.requests == requests
-    _, other = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path))  # another reader, range mode
+    _, other = CacheLocation.of(
+        url, storage_options=s3, local_cache_dir=str(tmp_path)
+    ).open()  # another reader, range mode
     assert other is not None and other.store is not None
     requests = other.store.stats.requests
     with pytest.raises(CacheFormatError, match=re.escape(message)):
@@ -467,7 +469,7 @@ def test_skip_drops_a_damaged_member_the_same_way_in_both_read_modes_and_quarant
     s3: dict[str, Any], source: Path, packed_url: str, tmp_path: Path
 ) -> None:
     url = copy_packed(s3, packed_url, "flipped-skip")
-    index, _ = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path / "probe"))
+    index, _ = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path / "probe")).open()
     victim = two_in_shard(index, 1)[0]
     display, _, _, _ = damage_member(s3, url, index, victim)
     clean = [[i for i in b if i != victim] for b in batches(source, 0)]
@@ -481,7 +483,7 @@ def test_skip_drops_a_damaged_member_the_same_way_in_both_read_modes_and_quarant
 
 
 def mark_in_a_process(url: str, s3: dict[str, Any], local: str) -> None:
-    _, reader = open_location(url, storage_options=s3, local_cache_dir=local, remote_read="shard_cache")
+    _, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=local, remote_read="shard_cache").open()
     assert reader is not None and reader.shard_cache is not None
     try:
         reader.shard_cache.fetch(0)
@@ -491,7 +493,7 @@ def mark_in_a_process(url: str, s3: dict[str, Any], local: str) -> None:
 
 
 def read_in_a_process(url: str, s3: dict[str, Any], local: str, sample: int, results: Any) -> None:
-    _, reader = open_location(url, storage_options=s3, local_cache_dir=local, remote_read="shard_cache")
+    _, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=local, remote_read="shard_cache").open()
     assert reader is not None and reader.store is not None
     requests = reader.store.stats.requests
     try:
@@ -506,7 +508,7 @@ def test_a_shard_marked_damaged_by_one_process_is_not_read_by_another(
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
     url = old_format_copy(s3, packed_url, "old-damaged-processes")
-    index, _ = open_location(url, storage_options=s3, local_cache_dir=str(tmp_path / "probe"))
+    index, _ = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path / "probe")).open()
     victim = two_in_shard(index, 0)[1]
     damage_member(s3, url, index, two_in_shard(index, 0)[0])
     context = multiprocessing.get_context("fork")
@@ -520,3 +522,29 @@ def test_a_shard_marked_damaged_by_one_process_is_not_read_by_another(
     message, requests = results.get(timeout=120)
     reader.join(timeout=60)
     assert "the shard is marked damaged on this node" in message and requests == 0
+
+
+def test_every_remote_layout_opens_through_one_reader_that_hands_the_loader_its_prefetcher(
+    s3: dict[str, Any], source: Path, packed_url: str, tmp_path: Path
+) -> None:
+    fs(s3).put(str(source), "bucket/layouts", recursive=True)
+    options = {"storage_options": s3, "local_cache_dir": str(tmp_path)}
+    files = CacheLocation.of("s3://bucket/layouts", **options)
+    ranged = CacheLocation.of(packed_url, **options)
+    cached = CacheLocation.of(packed_url, remote_read="shard_cache", **options)
+    readers = {name: location.open()[1] for name, location in (("files", files), ("range", ranged), ("cache", cached))}
+    assert {name: type(reader).__name__ for name, reader in readers.items()} == {
+        "files": "RemoteFilesReader",
+        "range": "RemotePackedReader",
+        "cache": "RemotePackedReader",
+    }
+    assert not files.is_local and files.quarantine_default() is None
+    assert readers["files"].prefetcher(5) is None and readers["range"].prefetcher(5) is None
+    prefetcher = readers["cache"].prefetcher(5)
+    assert prefetcher is not None and (prefetcher.ahead, prefetcher.behind) == (14, 5)
+    prefetcher.close()
+    built = ImageEditDataloaderConfig(packed_url, num_workers=0, remote_read="shard_cache", **options).build(
+        dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    assert built.sampler.observer is not None  # the loader took the reader's prefetcher
+    built.sampler.observer.close()

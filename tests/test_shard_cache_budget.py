@@ -13,7 +13,7 @@ import os
 import random
 from pathlib import Path
 
-from image_edit_data.storage.packed import ShardInfo
+from image_edit_data.index.packed import ShardInfo
 from image_edit_data.storage.remote import RemoteStore
 from image_edit_data.storage.shard_cache import ShardCache
 

@@ -16,13 +16,13 @@ def _lightning(command: str, rest: list[str], from_shell: bool) -> int:
 
 
 def _cache(command: str, rest: list[str], from_shell: bool) -> int:
-    from .cache.cli import cache_main
+    from .build.cli import cache_main
 
     return cache_main(rest)
 
 
 def _demo_cache(command: str, rest: list[str], from_shell: bool) -> int:
-    from .cache.cli import demo_cache_main
+    from .build.cli import demo_cache_main
 
     return demo_cache_main(rest)
 
@@ -69,7 +69,7 @@ COMMANDS: dict[str, Command] = {
 
 def usage() -> str:
     """The top-level help: every command of `COMMANDS`, and every `cache` subcommand."""
-    from .cache.cli import CACHE_COMMANDS
+    from .build.cli import CACHE_COMMANDS
 
     lines = ["usage: image-edit-data COMMAND [options]", "", "commands:"]
     for name, command in COMMANDS.items():

@@ -13,13 +13,13 @@ from torch.utils.data import Dataset
 from .batch.collate import AssembledBatch, collate_image_edit
 from .contract import validate
 from .contract.batch import Sample, SkippedSample
-from .contract.paths import ContainedOpener
 from .contract.signature import Signature
 from .index.index import CacheIndex
 from .loading import watch
 from .payload.corrupt import CorruptPolicy, SkipLog
-from .payload.payload import OpenPayload, materialized, open_payload
-from .storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, local_path_of, open_location
+from .payload.payload import OpenPayload, materialized
+from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
+from .storage.reader import PayloadReader
 
 
 class ImageEditDataset(Dataset):
@@ -32,7 +32,7 @@ class ImageEditDataset(Dataset):
 
     def __init__(
         self,
-        cache_dir: str | Path,
+        cache_dir: str | Path | CacheLocation,
         quantization: int = 64,
         use_index_store: bool = True,
         on_corrupt_sample: CorruptPolicy = "raise",
@@ -45,23 +45,22 @@ class ImageEditDataset(Dataset):
     ) -> None:
         if isinstance(quantization, bool) or not isinstance(quantization, int) or quantization <= 0:
             raise ValueError(f"quantization must be a positive integer, got {quantization!r}")
-        # A URL stays a string (Path would fold its "//"); see storage/location.py for the remote options.
-        self.cache_dir: Path | str = Path(cache_dir) if local_path_of(cache_dir) == str(cache_dir) else str(cache_dir)
-        self.quantization = quantization
-        self.index: CacheIndex
-        self.index, self.reader = open_location(
+        self.location = CacheLocation.of(
             cache_dir,
-            use_store=use_index_store,
             storage_options=storage_options,
             remote_read=remote_read,
             local_cache_dir=local_cache_dir,
             shard_cache_bytes=shard_cache_bytes,
         )
+        self.cache_dir = self.location.display  # a URL stays a string: Path would fold its "//"
+        self.quantization = quantization
+        self.index: CacheIndex
+        self.reader: PayloadReader
+        self.index, self.reader = self.location.open(use_store=use_index_store)
         self.skips = SkipLog(
             on_corrupt_sample, max_corrupt_fraction, len(self.index), Path(quarantine_file) if quarantine_file else None
         )
         self._members: list[np.ndarray] | None = None
-        self.opener = ContainedOpener(self.index.root)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -97,16 +96,8 @@ class ImageEditDataset(Dataset):
 
     def open_sample(self, idx: int) -> tuple[Sample, OpenPayload]:
         """Open payload `idx` and check it against the contract and its index record (no tensor bytes read yet)."""
-        if self.reader is not None:  # a packed or remote cache (storage/reader.py)
-            relative = self.reader.display(idx)
-            payload = self.reader.open(idx)
-        else:
-            relative = self.index.relative_path(idx)
-            try:
-                path, descriptor, info = self.opener.open(relative, relative)
-            except OSError as error:
-                validate.fail(relative, "file", f"cannot be read: {error.strerror or error}")
-            payload = open_payload(path, relative, (descriptor, info))
+        relative = self.reader.display(idx)
+        payload = self.reader.open(idx)
         try:
             sample = validate.payload(payload.fields, self.index.signature(idx), relative, self.index.source_revision)
         except BaseException:

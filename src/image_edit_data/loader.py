@@ -16,8 +16,7 @@ from .loading.start import DEFAULT_WORKER_START, WorkerStart, worker_context
 from .payload.corrupt import CorruptPolicy
 from .sampling.plan import BucketOrder
 from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
-from .storage.location import DEFAULT_SHARD_CACHE_BYTES, RemoteRead, quarantine_default
-from .storage.prefetch import ShardPrefetcher
+from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -110,20 +109,26 @@ class ImageEditDataloaderConfig:
     def __post_init__(self) -> None:
         self.base_resolution = tuple(self.base_resolution)  # type: ignore[assignment]  # YAML and callers pass lists
 
-    def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset:
-        """Open `cache_dir` (default: the configured one) with this config's corrupt-sample policy."""
-        directory = cache_dir or self.cache_dir
-        quarantine = Path(self.quarantine_file) if self.quarantine_file else quarantine_default(directory)
-        return ImageEditDataset(
-            directory,
-            quantization=self.quantization,
-            on_corrupt_sample=self.on_corrupt_sample,
-            max_corrupt_fraction=self.max_corrupt_fraction,
-            quarantine_file=quarantine,
+    def location(self, cache_dir: str | None = None) -> CacheLocation:
+        """`cache_dir` (default: the configured one) with this config's remote options, parsed once."""
+        return CacheLocation.of(
+            cache_dir or self.cache_dir,
             storage_options=self.storage_options,
             remote_read=self.remote_read,
             local_cache_dir=self.local_cache_dir,
             shard_cache_bytes=self.shard_cache_bytes,
+        )
+
+    def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset:
+        """Open `cache_dir` (default: the configured one) with this config's corrupt-sample policy."""
+        location = self.location(cache_dir)
+        quarantine = Path(self.quarantine_file) if self.quarantine_file else location.quarantine_default()
+        return ImageEditDataset(
+            location,
+            quantization=self.quantization,
+            on_corrupt_sample=self.on_corrupt_sample,
+            max_corrupt_fraction=self.max_corrupt_fraction,
+            quarantine_file=quarantine,
         )
 
     def build(self, *, dp_rank: int, dp_world_size: int, batch_size: int) -> DiffusionDataloaderBuild:
@@ -172,14 +177,8 @@ class ImageEditDataloaderConfig:
             shard_of=dataset.index.member_shard,
             shard_window=self.shard_window,
         )
-        reader = dataset.reader
-        if reader is not None and reader.shard_cache is not None and not evaluation:
-            # Pin the batches workers may hold unloaded (prefetch_factor each) and fetch further ahead;
-            # the budget bounds what is actually downloaded.
-            in_flight = max(1, self.num_workers) * self.prefetch_factor + 1
-            shard_of = dataset.index.member_shard
-            assert shard_of is not None  # a shard cache exists only for packed caches
-            sampler.observer = ShardPrefetcher(reader.shard_cache, shard_of, 2 * in_flight + 4, in_flight)
+        if not evaluation:  # batches workers may hold unloaded (prefetch_factor each), plus the one in hand
+            sampler.observer = dataset.reader.prefetcher(max(1, self.num_workers) * self.prefetch_factor + 1)
         worker_context(self.multiprocessing_context)  # checks the name even without workers
         workers: dict[str, Any] = {}
         if self.num_workers > 0:

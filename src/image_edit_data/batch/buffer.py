@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from ..payload.file_tensor import FileTensor, read_into
+from ..contract.file_tensor import FileTensor, read_into
 from .shared_ring import Lease, shared_bytes, worker_ring
 
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)

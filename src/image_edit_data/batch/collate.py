@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from ..contract.batch import Batch, BatchMetadata, Sample, SkippedSample
-from ..payload.file_tensor import FileTensor
+from ..contract.file_tensor import FileTensor
 from .buffer import BatchBuffer
 from .shared_batch import SharedBatch
 

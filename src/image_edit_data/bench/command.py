@@ -125,7 +125,7 @@ def _bench_parser() -> ArgumentParser:
 
 
 def add_remote_arguments(parser: ArgumentParser) -> None:
-    """Options of the packed/remote layout comparison (storage/bench.py)."""
+    """Options of the packed/remote layout comparison (bench/remote.py)."""
     parser.add_argument(
         "--remote",
         action=ActionYesNo,
@@ -173,8 +173,8 @@ def bench_main(argv: list[str]) -> int:
         cache_dir = write_cache(args, spec, temporary, console) if writes else Path(args.cache_dir)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=LOADER_NOISE)
-            if args.remote:  # storage/bench.py prints its own table
-                from ..storage.bench import dumps, remote_bench
+            if args.remote:  # bench/remote.py prints its own table
+                from .remote import dumps, remote_bench
 
                 numbers = remote_bench(cache_dir, args, console)
                 if args.json:

@@ -1,7 +1,11 @@
-"""The contracts: compound shape signatures, every rule a cache must follow, path containment, the batch's keys."""
+"""The contracts: compound shape signatures, every rule a cache must follow, path containment, the batch's keys.
+
+Also the value types those rules check: `FileTensor`, a payload tensor not yet read from its file.
+"""
 
 from . import validate
 from .batch import Batch, BatchMetadata, Sample, SkippedSample
+from .file_tensor import FileTensor, read_into
 from .paths import ContainedOpener, contained, open_regular, read_regular_file, resolve_inside
 from .signature import Shape3, Signature, sort_key
 
@@ -9,12 +13,14 @@ __all__ = [
     "Batch",
     "BatchMetadata",
     "ContainedOpener",
+    "FileTensor",
     "Sample",
     "Shape3",
     "Signature",
     "SkippedSample",
     "contained",
     "open_regular",
+    "read_into",
     "read_regular_file",
     "resolve_inside",
     "sort_key",

@@ -14,7 +14,7 @@ import torch
 
 from ..errors import CacheFormatError as CacheFormatError  # re-exported: the contract's error
 from ..errors import fail, show
-from ..payload.file_tensor import FileTensor
+from .file_tensor import FileTensor
 from .signature import Signature
 
 MAX_COUNT = 2**31 - 1  # token counts are stored as int32 in the index

@@ -13,18 +13,20 @@ import gc
 import hashlib
 import json
 import os
+import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..contract import validate
 from ..contract.paths import contained, read_regular_file, resolve_inside
 from ..contract.signature import Signature, sort_key
 from ..contract.validate import CacheFormatError, fail, show
-from ..storage.packed import PackedFields, ShardInfo, has_checksums, is_packed, shard_list, shards_fingerprint
+from .packed import PackedFields, ShardInfo, has_checksums, is_packed, shard_list, shards_fingerprint
 
 MANIFEST = "metadata.json"
 UNKNOWN = -1  # token count not stored in the index record
@@ -44,12 +46,27 @@ class CacheIndex:
     path_offsets: np.ndarray  # [N + 1] int64
     text_tokens: np.ndarray  # [N] int32, UNKNOWN where the record does not say
     fingerprint: str = field(default="")
-    # Packed layout only (see storage/packed.py): the tar shards and where each sample's member lies.
+    # Packed layout only (see index/packed.py): the tar shards and where each sample's member lies.
     shards: tuple[ShardInfo, ...] = ()
     member_shard: np.ndarray | None = None  # [N] int32 shard number
     member_offset: np.ndarray | None = None  # [N] int64 byte offset of the member's data in its shard
     member_length: np.ndarray | None = None  # [N] int64 member length
     member_checksum: np.ndarray | None = None  # [N] uint64 XXH3-64 of each member; None: packed before checksums
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the per-sample arrays as shared memory, made once: every worker then maps the same pages.
+
+        Workers started by a fork server or spawn receive the dataset pickled; a 1M-sample index is
+        tens of MB, which each worker of each rank would otherwise hold a copy of.
+        """
+        shared = _SHARED.get(self)
+        if shared is None:
+            shared = _SHARED[self] = {name: SharedArray.of(getattr(self, name)) for name in ARRAY_FIELDS}
+            for name, value in shared.items():  # this process reads the shared copy too: one copy in all
+                if value is not None:
+                    object.__setattr__(self, name, value.array())
+        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ARRAY_FIELDS}
+        return (_rebuild_index, (state, shared))
 
     @property
     def packed(self) -> bool:
@@ -187,6 +204,48 @@ def _cyclic_gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+ARRAY_FIELDS = (
+    "bucket_ids",
+    "path_blob",
+    "path_offsets",
+    "text_tokens",
+    "member_shard",
+    "member_offset",
+    "member_length",
+    "member_checksum",
+)
+# Each index's arrays in shared memory, made the first time it is pickled and kept while it lives.
+_SHARED: weakref.WeakKeyDictionary[CacheIndex, dict[str, SharedArray | None]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class SharedArray:
+    """A numpy array's bytes in a shared-memory tensor (pickled by torch as a handle, not a copy)."""
+
+    data: torch.Tensor  # [nbytes] uint8, shared
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, array: np.ndarray | None) -> SharedArray | None:
+        """`array` copied once into shared memory (None stays None)."""
+        if array is None:
+            return None
+        flat = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+        return cls(torch.from_numpy(flat.copy()).share_memory_(), array.dtype.str, tuple(array.shape))
+
+    def array(self) -> np.ndarray:
+        """The array, viewing the shared bytes (read-only, as the index never changes)."""
+        view = self.data.numpy().view(np.dtype(self.dtype)).reshape(self.shape)
+        view.flags.writeable = False
+        return view
+
+
+def _rebuild_index(state: dict[str, Any], shared: dict[str, SharedArray | None]) -> CacheIndex:
+    arrays: dict[str, Any] = {name: (None if value is None else value.array()) for name, value in shared.items()}
+    return CacheIndex(**state, **arrays)
 
 
 class ParsedRecords:

@@ -20,8 +20,8 @@ import numpy as np
 
 from .._atomic import write_bytes_atomic
 from ..contract.signature import Signature
-from ..storage.packed import has_checksums, shards_from_json
 from .index import MANIFEST, CacheIndex, load_index, load_manifest
+from .packed import has_checksums, shards_from_json
 
 log = logging.getLogger(__name__)
 STORE_VERSION = 1

@@ -18,24 +18,15 @@ from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 
+from ..build.demo_cache import write_demo_cache
 from ..dataset import ImageEditDataset
 from ..index.index import MANIFEST
 from ..loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from ..sampling.resume import restore
 from ..sampling.sampler import BucketBatchSampler, ResumeMismatchError, migrate_state
-from ..storage.location import local_path_of
 from .loader import FailedLoader, LightningLoader
 
 log = logging.getLogger(__name__)
-
-
-def write_demo_cache(directory: str, num_samples: int, seed: int) -> None:
-    """Build the procedural demo cache at `directory` through the same path as `image-edit-data demo-cache`."""
-    from ..cache.cli import demo_cache_main
-
-    code = demo_cache_main([directory, "--num-samples", str(num_samples), "--seed", str(seed), "--quiet"])
-    if code != 0:
-        raise RuntimeError(f"building the demo cache in {directory} failed (exit code {code}); see the output above")
 
 
 ResumeMismatch = Literal["raise", "restart_epoch"]
@@ -103,7 +94,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         if self.val_cache_dir:
             targets.append((self.val_cache_dir, max(1, self.demo_samples // 10), 1))
         for directory, count, seed in targets:
-            if local_path_of(directory) is None:
+            if not self.config.location(directory).is_local:
                 continue  # a remote cache is never written here
             if not (Path(directory) / MANIFEST).exists():
                 write_demo_cache(directory, count, seed)

@@ -25,14 +25,12 @@ def server_preload() -> list[str]:
     """What the fork server imports once, so that each worker it forks starts with it loaded.
 
     Each worker of a fork-free start runs the main module's top level again (as spawn does), which
-    is cheap only if what it imports is loaded already: the server imports the read path, the
-    frameworks the training process uses, and a main module run with `python -m` by name.
+    is cheap only if what it imports is loaded already: the server imports the read path and the
+    frameworks the training process uses. (Importing a `python -m` main module itself in the server
+    would make runpy warn in every worker.)
     """
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    main_name = getattr(main_spec, "name", None)
-    by_name = [main_name] if main_name and not main_name.endswith("__main__") else []
     loaded = [name for name in FRAMEWORKS if name in sys.modules]
-    return ["__main__", *READ_PATH_MODULES, *loaded, *by_name]
+    return ["__main__", *READ_PATH_MODULES, *loaded]
 
 
 def start_failure_hint(start: WorkerStart) -> str:

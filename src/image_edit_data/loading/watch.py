@@ -9,6 +9,7 @@ long, so a supervisor sees a clear error rather than a silent hang, and restarts
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import select
 import threading
@@ -75,6 +76,10 @@ class WorkerWatch:
 def start_worker(watch: WorkerWatch, worker: int) -> None:
     """Runs in each new worker: remember its row, mark it started, and end it when the training process ends."""
     global _WORKER
+    # What the worker inherited (and the dataset it received) lives as long as it does: out of the
+    # collector's reach, a full collection never writes to those pages, which would copy them all
+    # into the worker (a pool now lives for the whole fit, long enough for one to come).
+    gc.freeze()
     _WORKER = (watch, worker)
     watch.mark(worker, IDLE)
     exit_with(watch.owner)

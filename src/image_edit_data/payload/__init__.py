@@ -1,7 +1,6 @@
 """One sample's payload file -> tensors (safetensors or torch.save), and what to do with a broken one."""
 
 from .corrupt import CorruptPolicy, SkipLog, TooManyCorruptSamplesError
-from .file_tensor import FileTensor, read_into
 from .payload import (
     OpenPayload,
     PayloadFormat,
@@ -15,7 +14,6 @@ from .payload import (
 
 __all__ = [
     "CorruptPolicy",
-    "FileTensor",
     "OpenPayload",
     "PayloadFormat",
     "SkipLog",
@@ -24,7 +22,6 @@ __all__ = [
     "load_payload",
     "materialized",
     "open_payload",
-    "read_into",
     "save_payload",
     "to_safetensors",
 ]

@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 
 from .._atomic import write_bytes_atomic
+from ..contract.file_tensor import FileTensor
 from ..contract.paths import open_regular
 from ..errors import fail, show
-from .file_tensor import FileTensor
 from .safetensors_header import read_header
 from .torch_save._private_torch import direct_reads, in_file_payload
 from .torch_save.torch_zip import ZipEntry, stored_data_ranges, zip_entries
@@ -77,7 +77,7 @@ def open_payload(
 
     `opened` is the descriptor and stat of `path` when the caller has opened it already (this
     function then owns the descriptor). `member` is `(offset, length)` of a safetensors payload
-    stored inside a larger file (a packed tar shard, see storage/packed.py).
+    stored inside a larger file (a packed tar shard, see index/packed.py).
     """
     try:
         descriptor, info = opened or open_regular(path, display)

@@ -14,8 +14,8 @@ from typing import NoReturn
 
 import torch
 
+from ..contract.file_tensor import FileTensor
 from ..errors import fail
-from .file_tensor import FileTensor
 
 DTYPES = {
     "F64": torch.float64,

@@ -1,9 +1,8 @@
-"""Caches beyond one local directory: the packed tar layout, fsspec URLs, remote reads and the local shard cache.
+"""Where a cache's bytes live: local files or tar shards, or a URL through fsspec, with the node-local shard cache.
 
-Only the light modules are imported here (the index imports `packed`); the readers are imported
-from their modules.
+Only light names are imported here; the readers and the shard cache are imported from their modules.
 """
 
-from .packed import LAYOUT, ShardInfo, is_packed
+from .location import DEFAULT_SHARD_CACHE_BYTES, REMOTE_READS, RemoteRead
 
-__all__ = ["LAYOUT", "ShardInfo", "is_packed"]
+__all__ = ["DEFAULT_SHARD_CACHE_BYTES", "REMOTE_READS", "RemoteRead"]

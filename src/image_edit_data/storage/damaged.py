@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .._atomic import write_bytes_atomic
-from .packed import ShardInfo
+from ..index.packed import ShardInfo
 
 SUFFIX = ".damaged"
 

@@ -1,9 +1,16 @@
-"""Open a cache from a local directory or a URL, in either layout: its index and, when needed, a reader."""
+"""Where a cache lives, parsed once where it is opened: a local directory, or a URL with its remote options.
+
+`CacheLocation.of(cache_dir, ...)` decides, once, whether a cache is local (a path or a `file://`
+URL) and checks the remote options; `location.open()` returns its index and the one reader for its
+layout: local files, local tar shards, remote files or remote tar shards (`reader.py`,
+`remote_reader.py`). Everything else asks the location rather than looking at the string again.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlparse
@@ -12,13 +19,94 @@ from ..index.index import CacheIndex
 from ..index.store import open_index
 from .damaged import DamagedShards
 from .mirror import local_dir_for, open_remote_index
-from .reader import PayloadReader
+from .reader import LocalFilesReader, LocalPackedReader, PayloadReader
 from .remote import RemoteStore, is_url
+from .remote_reader import RemoteFilesReader, RemotePackedReader
 from .shard_cache import ShardCache
 
 RemoteRead = Literal["range", "shard_cache"]
 REMOTE_READS = ("range", "shard_cache")
 DEFAULT_SHARD_CACHE_BYTES = 8 << 30
+
+
+@dataclass(frozen=True)
+class CacheLocation:
+    """A cache's place and how to reach it; the remote options matter only for a URL."""
+
+    given: str
+    """The location as the user wrote it (a path or a URL), for messages."""
+    local_path: Path | None
+    """The cache directory on this machine, or None for a remote URL."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    """fsspec options for a URL (endpoint, credentials)."""
+    remote_read: RemoteRead = "range"
+    """Remote packed caches: one ranged request per sample, or a node-local shard cache."""
+    local_cache_dir: str | None = None
+    """Node-local directory for remote index copies and cached shards (default: the user cache directory)."""
+    shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES
+    """Byte budget of the shard cache."""
+    latency: float = 0.0
+    """Seconds added before every remote request (benchmarks of slow links)."""
+
+    @classmethod
+    def of(
+        cls,
+        cache_dir: str | os.PathLike[str] | CacheLocation,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        remote_read: RemoteRead = "range",
+        local_cache_dir: str | None = None,
+        shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
+        latency: float = 0.0,
+    ) -> CacheLocation:
+        """Parse a location (a `CacheLocation` is returned as it is) and check its options."""
+        if isinstance(cache_dir, CacheLocation):
+            return cache_dir
+        if remote_read not in REMOTE_READS:
+            raise ValueError(f"remote_read must be one of {REMOTE_READS}, got {remote_read!r}")
+        if isinstance(shard_cache_bytes, bool) or not isinstance(shard_cache_bytes, int) or shard_cache_bytes <= 0:
+            raise ValueError(f"shard_cache_bytes must be a positive integer, got {shard_cache_bytes!r}")
+        given = os.fspath(cache_dir)
+        local = local_path_of(given)
+        return cls(
+            given,
+            Path(local) if local is not None else None,
+            dict(storage_options or {}),
+            remote_read,
+            local_cache_dir,
+            shard_cache_bytes,
+            latency,
+        )
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the cache is a directory on this machine."""
+        return self.local_path is not None
+
+    @property
+    def display(self) -> Path | str:
+        """A plain path as a `Path`; a URL (`file://` ones included) as the string given."""
+        return Path(self.given) if self.local_path is not None and not is_url(self.given) else self.given
+
+    def quarantine_default(self) -> Path | None:
+        """Where skipped samples are listed by default: inside a local cache; nowhere for a remote one."""
+        return None if self.local_path is None else self.local_path / ".image_edit_data" / "quarantine.jsonl"
+
+    def open(self, use_store: bool = True) -> tuple[CacheIndex, PayloadReader]:
+        """The cache's index and the reader for its layout."""
+        if self.local_path is not None:
+            index = open_index(self.local_path, use_store=use_store)
+            return index, (LocalPackedReader(index) if index.packed else LocalFilesReader(index))
+        store = RemoteStore(self.given, dict(self.storage_options), latency=self.latency)
+        directory = local_dir_for(store, self.local_cache_dir)
+        index = open_remote_index(store, directory, use_store=use_store)
+        if not index.packed:
+            return index, RemoteFilesReader(index, store)
+        cache = None
+        if self.remote_read == "shard_cache":
+            cache = ShardCache(store, index.shards, directory / "shards", self.shard_cache_bytes)
+        # Both read modes see the shard cache directory's verdicts: a shard damaged for one process is for all.
+        return index, RemotePackedReader(index, store, cache, DamagedShards(directory / "shards"))
 
 
 def local_path_of(location: str | os.PathLike[str]) -> str | None:
@@ -30,36 +118,3 @@ def local_path_of(location: str | os.PathLike[str]) -> str | None:
     if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
         return unquote(parsed.path)
     return None
-
-
-def open_location(
-    cache_dir: str | os.PathLike[str],
-    *,
-    use_store: bool = True,
-    storage_options: Mapping[str, Any] | None = None,
-    remote_read: RemoteRead = "range",
-    local_cache_dir: str | None = None,
-    shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
-    latency: float = 0.0,
-) -> tuple[CacheIndex, PayloadReader | None]:
-    """The cache's index and the reader for its payloads (None: local one-file payloads, read by the dataset)."""
-    if remote_read not in REMOTE_READS:
-        raise ValueError(f"remote_read must be one of {REMOTE_READS}, got {remote_read!r}")
-    local = local_path_of(cache_dir)
-    if local is not None:
-        index = open_index(local, use_store=use_store)
-        return index, PayloadReader(index) if index.packed else None
-    store = RemoteStore(os.fspath(cache_dir), dict(storage_options or {}), latency=latency)
-    directory = local_dir_for(store, local_cache_dir)
-    index = open_remote_index(store, directory, use_store=use_store)
-    cache = None
-    if remote_read == "shard_cache" and index.packed:
-        cache = ShardCache(store, index.shards, directory / "shards", shard_cache_bytes)
-    # Both read modes see the shard cache directory's verdicts: a shard damaged for one process is for all.
-    return index, PayloadReader(index, store, cache, DamagedShards(directory / "shards"))
-
-
-def quarantine_default(cache_dir: str | os.PathLike[str]) -> Path | None:
-    """Where skipped samples are listed by default: inside a local cache; nowhere for a remote one."""
-    local = local_path_of(cache_dir)
-    return None if local is None else Path(local) / ".image_edit_data" / "quarantine.jsonl"

@@ -1,16 +1,13 @@
-"""Open one sample's payload wherever it lives: a local file, a member of a local tar shard, or remote.
+"""One interface for opening a sample's payload, whatever the layout, and the two local layouts behind it.
 
-The local one-file-per-sample case stays in `ImageEditDataset.open_sample`; this module handles
-the packed layout and caches at URLs. Remote bytes (one ranged request per sample) are put in an
-anonymous in-memory file, so the payload code reads them through a descriptor as it reads a local
-file; with a local shard cache, a cached shard is read in place and a missing one falls back to a
-ranged request (the prefetcher downloads shards, readers never wait for it).
+A `PayloadReader` opens payload `idx` (tensors still unread, owning its descriptor), names it for
+errors, returns whole shards for `cache validate`, and hands the loader the prefetcher its layout
+needs (only remote packed caches with a shard cache have one). `CacheLocation.open` picks the
+reader: one file per sample or tar shards, on local disk (here) or at a URL (`remote_reader.py`).
 
-Every read of a member is checked against its recorded checksum (storage/packed.py) when the cache
-has them: the member's bytes are hashed once, where the reader has them (the ranged read's result,
-or one `pread` of the member from a local shard, whose tensors the batch then reads from the page
-cache). A cache packed before checksums has nothing to compare; there a member of a shard the
-node marked damaged (storage/damaged.py) is refused rather than read by range.
+Every read of a packed member is checked against its recorded checksum (index/packed.py) when the
+cache has them: the member's bytes are hashed once, where the reader has them (one `pread` of the
+member from a local shard, whose tensors the batch then reads from the page cache).
 """
 
 from __future__ import annotations
@@ -22,13 +19,73 @@ from pathlib import Path
 from ..contract.paths import ContainedOpener
 from ..errors import fail
 from ..index.index import CacheIndex
+from ..index.packed import check_member_bytes
 from ..payload.payload import OpenPayload, open_payload
-from .damaged import DamagedShards
-from .packed import check_member_bytes
+from .prefetch import ShardPrefetcher
 from .remote import RemoteStore
 from .shard_cache import ShardCache
 
-DOWNLOAD_WAIT = 30.0  # seconds a reader waits for a shard download in progress before fetching its own bytes
+
+class PayloadReader:
+    """Opens the payloads of one cache layout by sample index (picklable: each worker gets its own)."""
+
+    store: RemoteStore | None = None  # the remote store, for remote layouts
+    shard_cache: ShardCache | None = None  # the node-local shard cache, for remote packed caches that use one
+
+    def __init__(self, index: CacheIndex) -> None:
+        self.index = index
+        self.opener = ContainedOpener(index.root)
+
+    def display(self, idx: int) -> str:
+        """How errors name sample `idx`."""
+        raise NotImplementedError
+
+    def open(self, idx: int) -> OpenPayload:
+        """Payload `idx`, opened (tensors still unread) and owning its descriptor."""
+        raise NotImplementedError
+
+    def shard_bytes(self, number: int) -> bytes:
+        """The whole of shard `number` of a packed cache, as stored."""
+        shard = self.index.shards[number]
+        _, descriptor, _ = self.opener.open(shard.path, shard.path)
+        with open(descriptor, "rb", closefd=True) as stream:
+            return stream.read()
+
+    def prefetcher(self, in_flight: int) -> ShardPrefetcher | None:
+        """What fetches ahead of the loader for this layout, given the batches that may be in flight (None: nothing)."""
+        return None
+
+
+class LocalFilesReader(PayloadReader):
+    """One payload file per sample under a local cache directory (NeMo Automodel's layout)."""
+
+    def display(self, idx: int) -> str:
+        return self.index.relative_path(idx)
+
+    def open(self, idx: int) -> OpenPayload:
+        relative = self.index.relative_path(idx)
+        try:
+            path, descriptor, info = self.opener.open(relative, relative)
+        except OSError as error:
+            fail(relative, "file", f"cannot be read: {error.strerror or error}")
+        return open_payload(path, relative, (descriptor, info))
+
+
+class LocalPackedReader(PayloadReader):
+    """Members of tar shards on local disk, each checked against its checksum."""
+
+    def display(self, idx: int) -> str:
+        return f"{self.index.shards[self.index.member(idx)[0]].path}[{self.index.relative_path(idx)}]"
+
+    def open(self, idx: int) -> OpenPayload:
+        number, offset, length = self.index.member(idx)
+        shard = self.index.shards[number]
+        try:
+            path, descriptor, info = self.opener.open(shard.path, shard.path)
+        except OSError as error:
+            fail(shard.path, "file", f"cannot be read: {error.strerror or error}")
+        display, expected = self.display(idx), self.index.checksum(idx)
+        return open_checked(path, descriptor, info, shard.nbytes, shard.path, display, (offset, length), expected)
 
 
 def memory_file(data: bytes, name: str) -> tuple[int, os.stat_result]:
@@ -46,82 +103,6 @@ def memory_file(data: bytes, name: str) -> tuple[int, os.stat_result]:
     except BaseException:
         os.close(descriptor)
         raise
-
-
-class PayloadReader:
-    """Opens sample payloads of a packed or remote cache (picklable: workers get their own clients)."""
-
-    def __init__(
-        self,
-        index: CacheIndex,
-        store: RemoteStore | None = None,
-        shard_cache: ShardCache | None = None,
-        damaged: DamagedShards | None = None,
-    ) -> None:
-        self.index = index
-        self.store = store
-        self.shard_cache = shard_cache
-        self.damaged = damaged if damaged is not None or shard_cache is None else shard_cache.damaged
-        self.opener = ContainedOpener(index.root)
-        self.fallbacks = 0  # shard-cache misses served by a ranged request, in this process
-
-    def display(self, idx: int) -> str:
-        """How errors name sample `idx`: the member inside its shard, or the file (URL when remote)."""
-        relative = self.index.relative_path(idx)
-        if self.index.packed:
-            shard = self.index.shards[self.index.member(idx)[0]].path
-            where = self.store.url_of(shard) if self.store else shard
-            return f"{where}[{relative}]"
-        return self.store.url_of(relative) if self.store else relative
-
-    def open(self, idx: int) -> OpenPayload:
-        """Payload `idx`, opened (tensors still unread) and owning its descriptor."""
-        display = self.display(idx)
-        if not self.index.packed:
-            assert self.store is not None  # local one-file caches are read by the dataset itself
-            relative = self.index.relative_path(idx)
-            data = self.store.read_all(relative)
-            opened = memory_file(data, relative)
-            return open_payload(f"/proc/self/fd/{opened[0]}", display, opened, remote_member(relative, len(data)))
-        number, offset, length = self.index.member(idx)
-        shard = self.index.shards[number]
-        expected = self.index.checksum(idx)
-        if self.store is None:
-            try:
-                path, descriptor, info = self.opener.open(shard.path, shard.path)
-            except OSError as error:
-                fail(shard.path, "file", f"cannot be read: {error.strerror or error}")
-            return open_checked(path, descriptor, info, shard.nbytes, shard.path, display, (offset, length), expected)
-        if self.shard_cache is not None:
-            local = self.shard_cache.open_when_cached(number, timeout=DOWNLOAD_WAIT)
-            if local is not None:
-                descriptor, info = local
-                path = str(self.shard_cache.local_path(number))
-                return open_checked(path, descriptor, info, shard.nbytes, path, display, (offset, length), expected)
-            self.fallbacks += 1
-        if expected is None:
-            self.refuse_if_damaged(number, display)
-        data = self.store.read_range(shard.path, offset, length)
-        if expected is not None:
-            check_member_bytes(data, expected, display, "ranged read")
-        descriptor, info = memory_file(data, display)
-        return open_payload(f"/proc/self/fd/{descriptor}", display, (descriptor, info), (0, length))
-
-    def refuse_if_damaged(self, number: int, display: str) -> None:
-        """Refuse a member of a shard this node found damaged, in a cache with no member checksums to check it by.
-
-        With member checksums each ranged read is checked on its own, which serves a shard's intact
-        members and refuses its damaged ones whenever they are read: the outcome depends on the data only.
-        """
-        shard = self.index.shards[number]
-        if self.damaged is None or (verdict := self.damaged.find(shard)) is None:
-            return
-        fail(
-            display,
-            verdict.field,
-            f"{verdict.reason()}; the shard is marked damaged on this node ({self.damaged.path(shard)}) and "
-            "the cache has no member checksums to check a member by, so none of its members is read",
-        )
 
 
 def remote_member(relative: str, size: int) -> tuple[int, int] | None:

@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from ..index.packed import ShardInfo
 from .damaged import DamagedShards, Verdict
-from .packed import ShardInfo
 from .remote import RemoteStore
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from ...contract.file_tensor import FileTensor
 from ...errors import fail
-from ..file_tensor import FileTensor
 from .torch_zip import ZipEntry, data_range, stored_data_ranges, zip_entries
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 import torch
 
-from ..contract.signature import Signature
-from ..payload.payload import PayloadFormat, save_payload
-from .encoders import Truncation
-from .sources import SourceRecord
+from ...contract.signature import Signature
+from ...payload.payload import PayloadFormat, save_payload
+from ..encoders.base import Truncation
+from ..sources.base import SourceRecord
 
 StoreDtype = Literal["float32", "bfloat16", "float16"]
 STORE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from ..encoders import PromptEncoding, Truncation
-from ..hf_encoders import TorchDtype
-from ..pipeline_encoders import DiffusersPipelineEncoder
+from ..base import PromptEncoding, Truncation
+from ..hf import TorchDtype
+from ..pipeline import DiffusersPipelineEncoder
 
 CONDITION_AREA = {"QwenImageEditPlusPipeline": 384 * 384, "QwenImageEditPipeline": 1024 * 1024}
 CONDITION_STEP = 32

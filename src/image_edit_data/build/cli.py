@@ -13,13 +13,10 @@ from typing import Any, Literal
 from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
 
-from .build import BuildOptions
-from .build_cli import build_parser, execute, run_build
-from .resize import ResizePolicy
-from .sources import BadSampleError, SequenceSource
+from .demo_cache import write_demo_cache
+from .run.command import build_parser, print_summary, progress_bar, run_build
+from .sources.base import BadSampleError
 
-DEMO_IMAGE_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoImageEncoder", "init_args": {}}
-DEMO_TEXT_ENCODER = {"class_path": "image_edit_data.cache.demo_encoders.DemoTextEncoder", "init_args": {}}
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, TimeoutError, RuntimeError, ImportError, OSError)
 STORAGE_HELP = 'fsspec options for URLs, as JSON (e.g. {"endpoint_url": "http://127.0.0.1:9000"}).'
 
@@ -56,7 +53,7 @@ def convert_parser() -> ArgumentParser:
 
 def pack_parser() -> ArgumentParser:
     """`cache pack SRC OUT`."""
-    from .pack import DEFAULT_SHARD_BYTES
+    from .tools.pack import DEFAULT_SHARD_BYTES
 
     pack = ArgumentParser(description="Rewrite a cache into uncompressed tar shards, grouped by bucket.")
     pack.add_argument("cache_dir", type=str, help="The cache to read (a directory or URL; left untouched).")
@@ -69,14 +66,14 @@ def pack_parser() -> ArgumentParser:
 
 def validate_main(args: Namespace, console: Console) -> int:
     """Run `cache validate`."""
-    from .check import validate_main as run
+    from .tools.validate import validate_main as run
 
     return run(args, console)
 
 
 def inspect_main(args: Namespace, console: Console) -> int:
     """Run `cache inspect`."""
-    from .inspect import inspect_main as run
+    from .tools.inspect import inspect_main as run
 
     return run(args, console)
 
@@ -134,7 +131,7 @@ def cache_main(argv: list[str]) -> int:
 
 def convert_main(args: Namespace, console: Console) -> int:
     """Run `cache convert` and report what it wrote."""
-    from .convert import convert_cache
+    from .tools.convert import convert_cache
 
     report = convert_cache(args.cache_dir, args.out_dir, args.format, workers=args.workers)
     console.print(
@@ -147,7 +144,7 @@ def convert_main(args: Namespace, console: Console) -> int:
 
 def pack_main(args: Namespace, console: Console) -> int:
     """Run `cache pack` and report what it wrote."""
-    from .pack import pack_cache
+    from .tools.pack import pack_cache
 
     options, staging = args.storage_options, args.staging_dir
     report = pack_cache(args.cache_dir, args.out_dir, args.shard_bytes, storage_options=options, staging_dir=staging)
@@ -180,31 +177,23 @@ def demo_cache_main(argv: list[str]) -> int:
     except Exception as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 2
-    from .demo import DemoSource
-
-    source = SequenceSource(DemoSource(args.num_samples, args.seed), {"kind": "demo", "seed": args.seed})
-    # Demo images are generated at multiples of 16 px, so they need no resizing.
-    options = BuildOptions(
-        payload_format=args.format, resize=ResizePolicy("none", spatial_alignment=16), batch_size=args.batch_size
-    )
     try:
-        code = execute(
-            args.out_dir,
-            source,
-            DEMO_IMAGE_ENCODER,
-            DEMO_TEXT_ENCODER,
-            options,
-            console,
-            rank=0,
-            world_size=1,
-            merge_only=False,
-            quiet=args.quiet,
-        )
+        with progress_bar(console, args.quiet, "encoding") as on_progress:
+            report = write_demo_cache(
+                args.out_dir,
+                args.num_samples,
+                args.seed,
+                args.format,
+                args.batch_size,
+                on_progress=on_progress,
+                log=lambda message: console.print(f"[dim]{message}[/dim]"),
+            )
+        print_summary(console, report)
     except USER_ERRORS as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 1
     console.print(f"train with cache_dir={Path(args.out_dir).resolve()}")
-    return code
+    return 0
 
 
 # The one list of `cache` subcommands: the parser, the dispatch and `image-edit-data --help` all read it.

@@ -10,11 +10,11 @@ from jsonargparse import Namespace
 from rich.console import Console
 from rich.table import Table
 
-from ..contract.signature import Signature
-from ..index.index import UNKNOWN, CacheIndex
-from ..storage.location import open_location
-from ..storage.packed import CHECKSUM
-from .writer import token_count
+from ...contract.signature import Signature
+from ...index.index import UNKNOWN, CacheIndex
+from ...index.packed import CHECKSUM
+from ...storage.location import CacheLocation
+from ..run.writer import token_count
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,14 @@ def write_histogram(index: CacheIndex, rows: list[BucketRow], path: Path) -> Non
 def inspect_main(args: Namespace, console: Console) -> int:
     """Run `cache inspect`: print the table, optionally write the PNG."""
     try:
-        index, _ = open_location(args.cache_dir, use_store=False, storage_options=args.storage_options)
+        index, _ = CacheLocation.of(args.cache_dir, storage_options=args.storage_options).open(use_store=False)
     except (ValueError, OSError) as error:
         console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
         return 2
     patch_size = args.patch_size or patch_size_of(index)
     rows = bucket_rows(index, patch_size)
     console.print(render_table(index, rows, patch_size))
-    if index.packed:  # the packed layout (storage/packed.py): how the samples are stored
+    if index.packed:  # the packed layout (index/packed.py): how the samples are stored
         total = sum(s.nbytes for s in index.shards)
         checksums = CHECKSUM if index.member_checksum is not None else "none (packed before them)"
         console.print(

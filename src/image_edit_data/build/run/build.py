@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..payload.payload import PayloadFormat
+from ...payload.payload import PayloadFormat
+from ..encoders.base import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
+from ..sources.base import BadSampleError, EditSource, row_index_of
 from .encode import Prepared, encode_window, prepare
-from .encoders import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .resize import ResizePolicy
-from .sources import BadSampleError, EditSource, row_index_of
 from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
 
 WINDOW_BATCHES = 4
@@ -104,7 +104,7 @@ def instantiate(spec: EncoderSpec, protocol: type | tuple[type, ...], name: str)
     encoder = cls(**dict(spec.get("init_args") or {}))
     if not isinstance(encoder, protocol):
         names = " or ".join(p.__name__ for p in (protocol if isinstance(protocol, tuple) else (protocol,)))
-        raise TypeError(f"{name}: {class_path} does not implement {names} (see cache/encoders.py)")
+        raise TypeError(f"{name}: {class_path} does not implement {names} (see build/encoders/base.py)")
     return encoder
 
 

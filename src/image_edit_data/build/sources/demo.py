@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from PIL import Image, ImageDraw
 
-from image_edit_data.cache.records import RawEditSample
+from .records import RawEditSample
 
 # (W, H) in pixels. Multiples of 16 keep latent grids whole; three shapes give three buckets per context layout.
 SCENE_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (96, 64), (64, 96))

@@ -31,9 +31,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..index.packed import member_checksum
 from ..index.store import open_index
 from ..loader import ImageEditDataloaderConfig
-from .packed import member_checksum
 
 
 @dataclass
@@ -78,9 +78,9 @@ class Layout:
 
     def build(self, workers: int, prefetch: int, batch_size: int) -> Any:
         built = self.config(workers, prefetch).build(dp_rank=0, dp_world_size=1, batch_size=batch_size)
-        reader = built.dataloader.dataset.reader
-        if reader is not None and reader.store is not None:
-            reader.store.latency = self.latency
+        store = built.dataloader.dataset.reader.store
+        if store is not None:
+            store.latency = self.latency
         return built
 
 
@@ -118,8 +118,7 @@ def measure(layout: Layout, args: Any) -> LayoutResult:
     steps = min(len(built.sampler) - 1, args.batches)
     samples, nbytes, elapsed = drain(iterator, steps)
     reader = built.dataloader.dataset.reader
-    store = reader.store if reader is not None else None
-    cache = reader.shard_cache if reader is not None else None
+    store, cache = reader.store, reader.shard_cache
     counted = workers(args) == 0 and store is not None
     index = built.dataloader.dataset.index
     used = None
@@ -181,7 +180,7 @@ def endpoint(args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     if args.s3_url:
         yield args.s3_url.rstrip("/"), dict(args.storage_options or {})
         return
-    from .local_s3 import make_bucket, moto_server
+    from .s3_server import make_bucket, moto_server
 
     with moto_server() as options:
         make_bucket(options, "bench")
@@ -190,7 +189,7 @@ def endpoint(args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def remote_bench(cache_dir: Path, args: Any, console: Console) -> dict[str, Any]:
     """Pack `cache_dir` locally and into S3, measure every layout, print the table; the numbers as a dict."""
-    from ..cache.pack import pack_cache
+    from ..build.tools.pack import pack_cache
 
     scratch = Path(tempfile.mkdtemp(prefix="image-edit-remote-bench-"))
     try:

@@ -3,7 +3,7 @@
 Each shard holds samples of one bucket only, in index order, filled up to `shard_bytes`. The new
 index keeps the source's samples in the source's order and records per sample `(shard, offset,
 length)` and the XXH3-64 checksum of the member's bytes; the manifest lists every shard with its
-size and SHA-256 (see storage/packed.py). So training reads a sample with one seek and checks it,
+size and SHA-256 (see index/packed.py). So training reads a sample with one seek and checks it,
 and any tar tool can list or extract a shard. Each shard is read back once written: every member's
 bytes in the file must hash to the checksum of the bytes meant for it, or the pack stops.
 
@@ -26,13 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._atomic import atomic_writer, write_text_atomic
-from ..dataset import ImageEditDataset
-from ..index.index import MANIFEST
-from ..payload.payload import to_safetensors
-from ..storage.location import local_path_of
-from ..storage.mirror import local_dir_for
-from ..storage.packed import (
+from ..._atomic import atomic_writer, write_text_atomic
+from ...dataset import ImageEditDataset
+from ...index.index import MANIFEST
+from ...index.packed import (
     CHECKSUM,
     CHECKSUM_KEY,
     LAYOUT,
@@ -43,10 +40,13 @@ from ..storage.packed import (
     checksum_text,
     member_checksum,
 )
-from ..storage.remote import RemoteStore
+from ...payload.payload import to_safetensors
+from ...storage.location import CacheLocation
+from ...storage.mirror import local_dir_for
+from ...storage.remote import RemoteStore
+from ..run.journal import settings_differences
+from ..run.merge import shard_name
 from .convert import RECORDS_PER_SHARD, converted_name
-from .journal import settings_differences
-from .merge import shard_name
 
 DEFAULT_SHARD_BYTES = 256 << 20
 PROGRESS = "progress"
@@ -275,15 +275,23 @@ def pack_cache(
     """Pack `source` (a local or remote cache of either payload format) into `destination` (a directory or URL)."""
     if shard_bytes < 4096:
         raise ValueError(f"shard_bytes must be at least 4096, got {shard_bytes}")
-    local = local_path_of(destination)
-    store = None if local is not None else RemoteStore(destination, dict(storage_options or {}))
+    target = CacheLocation.of(destination, storage_options=storage_options)
+    origin = CacheLocation.of(source, storage_options=storage_options)
+    store = None if target.is_local else RemoteStore(destination, dict(target.storage_options))
     if store is not None and store.exists(MANIFEST):
         raise ValueError(f"{destination}: already holds a finished cache ({MANIFEST} exists); choose a new location")
-    work = Path(local) if local is not None else Path(staging_dir or local_dir_for(store, None) / "pack-staging")  # type: ignore[arg-type]
+    if target.local_path is not None:
+        work = target.local_path
+    else:
+        work = Path(staging_dir) if staging_dir else local_dir_for(store, None) / "pack-staging"  # type: ignore[arg-type]
     if (work / MANIFEST).exists():
         raise ValueError(f"{work}: already holds a finished cache ({MANIFEST} exists); choose a new directory")
-    dataset = ImageEditDataset(source, storage_options=storage_options)
-    if local_path_of(source) is not None and local is not None and Path(local).resolve() == Path(source).resolve():
+    dataset = ImageEditDataset(origin)
+    if (
+        origin.local_path is not None
+        and target.local_path is not None
+        and work.resolve() == origin.local_path.resolve()
+    ):
         raise ValueError(f"{destination}: packing a cache into itself would overwrite it; choose a new directory")
     claim(work, {"version": PACK_VERSION, "source": dataset.index.fingerprint, "shard_bytes": shard_bytes})
     entries, packed = Packer(dataset, work, shard_bytes).run(on_progress)

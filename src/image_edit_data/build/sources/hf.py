@@ -17,8 +17,7 @@ from typing import Any
 
 from PIL import Image
 
-from .records import RawEditSample
-from .sources import (
+from .base import (
     DUPLICATE_ID,
     EMPTY_PROMPT,
     INVALID_ENTRY,
@@ -31,6 +30,7 @@ from .sources import (
     inside,
     open_image,
 )
+from .records import RawEditSample
 
 JSON_SCALARS = (str, int, float, bool, type(None))
 

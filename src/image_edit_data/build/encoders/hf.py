@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from PIL import Image
 
-from .encoders import PromptEncoding, PromptTruncationWarning, Truncation
+from .base import PromptEncoding, PromptTruncationWarning, Truncation
 
 TorchDtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

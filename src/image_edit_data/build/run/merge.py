@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .._atomic import write_text_atomic
-from ..index.index import MANIFEST
+from ..._atomic import write_text_atomic
+from ...index.index import MANIFEST
 from .journal import JournalReader, failures
 
 

@@ -14,8 +14,8 @@ import posixpath
 import tarfile
 from dataclasses import dataclass
 
-from ..index.index import CacheIndex
-from .reader import PayloadReader
+from ...index.index import CacheIndex
+from ...storage.reader import PayloadReader
 
 
 @dataclass(frozen=True)
@@ -25,16 +25,6 @@ class ShardProblem:
     file: str
     field: str
     reason: str
-
-
-def shard_bytes(reader: PayloadReader, number: int) -> bytes:
-    """A whole shard (local file or remote object)."""
-    shard = reader.index.shards[number]
-    if reader.store is not None:
-        return reader.store.read_all(shard.path)
-    _, descriptor, _ = reader.opener.open(shard.path, shard.path)
-    with open(descriptor, "rb", closefd=True) as stream:
-        return stream.read()
 
 
 def safe_member_name(name: str) -> bool:
@@ -53,7 +43,7 @@ def check_shards(reader: PayloadReader) -> list[ShardProblem]:
     for number, shard in enumerate(index.shards):
         where = reader.store.url_of(shard.path) if reader.store else shard.path
         try:
-            data = shard_bytes(reader, number)
+            data = reader.shard_bytes(number)
         except OSError as error:
             problems.append(ShardProblem(where, "file", f"cannot be read: {error}"))
             continue

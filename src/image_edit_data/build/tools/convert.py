@@ -14,11 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._atomic import write_text_atomic
-from ..dataset import ImageEditDataset
-from ..index.index import MANIFEST
-from ..payload.payload import PayloadFormat, save_payload
-from .merge import shard_name
+from ..._atomic import write_text_atomic
+from ...dataset import ImageEditDataset
+from ...index.index import MANIFEST
+from ...payload.payload import PayloadFormat, save_payload
+from ..run.merge import shard_name
 
 RECORDS_PER_SHARD = 10_000
 

@@ -16,10 +16,10 @@ import torch
 from jsonargparse import Namespace
 from rich.console import Console
 
-from ..contract.validate import CacheFormatError
-from ..dataset import ImageEditDataset
-from ..index.index import CacheIndex
-from ..storage.packed import CHECKSUM
+from ...contract.validate import CacheFormatError
+from ...dataset import ImageEditDataset
+from ...index.index import CacheIndex
+from ...index.packed import CHECKSUM
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ def validate_main(args: Namespace, console: Console) -> int:
         console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
         return 2
     problems = check_cache(dataset, args.check_finite, args.workers)
-    if dataset.reader is not None and dataset.index.packed:  # packed layout: sizes, hashes and tar headers too
-        from ..storage.verify import check_shards
+    if dataset.index.packed:  # packed layout: sizes, hashes and tar headers too
+        from .verify_shards import check_shards
 
         problems += [Problem(-1, p.file, p.field, p.reason) for p in check_shards(dataset.reader)]
     note = checksum_note(dataset.index)

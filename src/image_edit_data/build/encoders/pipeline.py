@@ -1,6 +1,6 @@
 """Encoders that open a diffusers pipeline from a local directory and encode the way that pipeline does.
 
-A pipeline family is one small subclass of `DiffusersPipelineEncoder` (see `cache/pipelines/`): the
+A pipeline family is one small subclass of `DiffusersPipelineEncoder` (see `build/encoders/pipelines/`): the
 pipeline class names it accepts, the components it needs, how its VAE latents are normalised
 (`normalise`), and how a batch of prompts with their condition images is encoded (`encode_batch`),
 normally through the pipeline's own `encode_prompt`. The transformer is never loaded; neither is
@@ -18,12 +18,12 @@ from typing import Any, ClassVar
 import torch
 from PIL import Image
 
-from .encoders import PromptEncoding
-from .hf_encoders import DTYPES, TorchDtype
+from .base import PromptEncoding
+from .hf import DTYPES, TorchDtype
 
 # Pipeline class name -> encoder class path, filled as family classes are defined.
 PIPELINE_ENCODERS: dict[str, str] = {}
-FAMILIES_MODULE = "image_edit_data.cache.pipelines"
+FAMILIES_MODULE = "image_edit_data.build.encoders.pipelines"
 
 
 def read_model_index(path: Path) -> dict[str, Any]:
@@ -111,7 +111,7 @@ class DiffusersPipelineEncoder:
         known = ", ".join(sorted(PIPELINE_ENCODERS))
         return (
             f"{where}: {class_name} is not supported; pipeline encoders exist for {known} "
-            f"(add a family as a subclass of DiffusersPipelineEncoder, see cache/pipelines/)"
+            f"(add a family as a subclass of DiffusersPipelineEncoder, see build/encoders/pipelines/)"
         )
 
     def _check_components(self, index: dict[str, Any]) -> None:

@@ -19,9 +19,9 @@ from typing import ClassVar
 import torch
 from PIL import Image
 
-from ..encoders import PromptEncoding, Truncation
-from ..hf_encoders import TorchDtype
-from ..pipeline_encoders import DiffusersPipelineEncoder
+from ..base import PromptEncoding, Truncation
+from ..hf import TorchDtype
+from ..pipeline import DiffusersPipelineEncoder
 
 POOLED_NAME = "pooled_prompt_embeds"
 MAX_T5_TOKENS = 512  # FluxKontextPipeline.__call__ refuses a longer max_sequence_length

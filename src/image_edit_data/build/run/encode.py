@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .encoders import ImageEncoder, PromptEncoder, PromptEncoding, TextEncoder
+from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, TextEncoder
+from ..sources.base import MISALIGNED_IMAGE, BadSampleError, EditSource, SourceRecord
 from .resize import ResizePolicy, to_pixels
-from .sources import MISALIGNED_IMAGE, BadSampleError, EditSource, SourceRecord
 from .writer import EncodedSample
 
 

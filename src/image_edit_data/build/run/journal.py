@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._atomic import write_text_atomic
+from ..._atomic import write_text_atomic
 
 PROGRESS_DIR = "progress"
 SETTINGS_FILE = "settings.json"

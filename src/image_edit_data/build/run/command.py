@@ -12,10 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
+from ..encoders.base import ImageEncoder, PipelineEncoder, PromptEncoder, TextEncoder
+from ..sources.base import EditSource
+from ..sources.manifest import JsonlManifestSource
 from .build import BuildOptions, BuildReport, build_cache
-from .encoders import ImageEncoder, PipelineEncoder, PromptEncoder, TextEncoder
 from .resize import ResizePolicy
-from .sources import EditSource, JsonlManifestSource
 
 
 class SpeedColumn(ProgressColumn):
@@ -137,7 +138,7 @@ def open_source(args: Namespace) -> EditSource:
         raise ValueError("source: give exactly one of --manifest PATH.jsonl or --dataset PATH")
     if args.manifest is not None:
         return JsonlManifestSource(args.manifest)
-    from .hf_source import HFDatasetSource
+    from ..sources.hf import HFDatasetSource
 
     if args.quiet:
         import datasets
