@@ -1,4 +1,4 @@
-"""Claims about LoRA training of the diffusers edit modules: settings, what trains, checkpoints, exact resume, export."""
+"""Claims about LoRA training of the diffusers edit modules: settings, what trains, checkpoints, resume, export."""
 
 from __future__ import annotations
 
@@ -104,7 +104,10 @@ def test_only_the_adapter_trains_in_float32_and_every_adapter_weight_gets_a_grad
         assert not {name for name in adapted if name.startswith((f"{last}attn.to_add_out", f"{last}txt_mlp"))}
         assert {f"{first}attn.to_add_out", f"{first}txt_mlp.net.2", f"{last}attn.to_q", f"{last}img_mod.1"} <= adapted
     else:
-        assert {"transformer.single_transformer_blocks.0.proj_mlp", "transformer.transformer_blocks.1.ff.net.2"} <= adapted
+        assert {
+            "transformer.single_transformer_blocks.0.proj_mlp",
+            "transformer.transformer_blocks.1.ff.net.2",
+        } <= adapted
 
 
 def test_a_lora_checkpoint_holds_only_the_adapter_loads_weights_only_and_exports_like_the_module(
@@ -114,7 +117,9 @@ def test_a_lora_checkpoint_holds_only_the_adapter_loads_weights_only_and_exports
     module = pipeline_module("qwen", lora=True, lora_rank=4, learning_rate=1e-2)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     export = LoraExport(dirpath=str(tmp_path / "lora"), every_n_train_steps=1, dtype="float32")
-    quiet_trainer(tmp_path, 2, [checkpoint, export]).fit(module, datamodule=ImageEditDataModule(str(cache), 2, num_workers=0))
+    quiet_trainer(tmp_path, 2, [checkpoint, export]).fit(
+        module, datamodule=ImageEditDataModule(str(cache), 2, num_workers=0)
+    )
 
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)  # no pickled objects in it
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
@@ -166,7 +171,9 @@ def test_a_checkpoint_without_an_adapter_is_refused_for_export(tmp_path: Path) -
         export_module(pipeline_module("qwen"), tmp_path / "out")
 
 
-def fit_with_kill(cache: Path, out: Path, arch: str, strategy: Any, kill_at: int | None = None, ckpt: Path | None = None):
+def fit_with_kill(
+    cache: Path, out: Path, arch: str, strategy: Any, kill_at: int | None = None, ckpt: Path | None = None
+):
     """Fit 5 steps of a rank-4 LoRA, checkpointing every step; `kill_at` raises SimulatedKill after that checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
     module = pipeline_module(arch, lora=True, lora_rank=4, learning_rate=1e-2)

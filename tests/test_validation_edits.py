@@ -76,7 +76,11 @@ def qwen_pipeline_inputs(pipeline: Any, monkeypatch: pytest.MonkeyPatch) -> tupl
 def kontext_pipeline_inputs(pipeline: Any, guidance_scale: float) -> tuple[torch.Tensor, dict[str, Any]]:
     """FluxKontextPipeline's output latents for one edit given cached-style inputs (it takes latents as `image`)."""
     g = torch.Generator().manual_seed(3)
-    prompt, pooled, context = torch.randn(1, 7, 16, generator=g), torch.randn(1, 24, generator=g), torch.randn(1, 4, 8, 6)
+    prompt, pooled, context = (
+        torch.randn(1, 7, 16, generator=g),
+        torch.randn(1, 24, generator=g),
+        torch.randn(1, 4, 8, 6),
+    )
     output = pipeline(
         image=context, prompt_embeds=prompt, pooled_prompt_embeds=pooled, height=20, width=16, max_area=20 * 16,
         _auto_resize=False, num_inference_steps=4, guidance_scale=guidance_scale,
@@ -203,7 +207,8 @@ def test_validation_edits_show_context_target_and_generated_as_png_files_logged_
     assert grid.shape == (8, 4 * 8 + 3 * 4, 3)
     assert (grid[:, 8:12] == 255).all() and not (grid[:, :8] == 255).all()
     assert images.images == [(f"val_edits/sample={i}", s, (8, 44, 3)) for s in (0, 2, 4) for i in (0, 4)]
-    rows = list(csv.DictReader(open(Path(table.log_dir) / "metrics.csv")))
+    with open(Path(table.log_dir) / "metrics.csv") as metrics:
+        rows = list(csv.DictReader(metrics))
     logged = [(int(r["step"]), float(r["val_edits/latent_mse"])) for r in rows if r.get("val_edits/latent_mse")]
     assert [step for step, _ in logged] == [0, 2, 4]
     assert all(mse > 0 for _, mse in logged)

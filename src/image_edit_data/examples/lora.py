@@ -38,7 +38,10 @@ class LoraSettings:
 
     def peft_config(self) -> Any:
         """The `peft.LoraConfig` of this adapter."""
-        from peft import LoraConfig
+        try:
+            from peft import LoraConfig
+        except ImportError as error:
+            raise ImportError("lora: true needs peft: pip install 'image-edit-data[lora]'") from error
 
         return LoraConfig(**self.metadata())
 
