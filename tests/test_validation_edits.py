@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from _lora_helpers import complete_pipeline, load_pipeline, pipeline_module, random_cache, randomize_adapter
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from PIL import Image
 
 from image_edit_data import ImageEditDataModule
@@ -174,11 +175,11 @@ def test_the_validation_loss_uses_the_same_noise_and_levels_in_every_run_and_for
 
 
 class ImageRecorder(Logger):
-    """A logger like TensorBoard's: its experiment has `add_image`; it remembers what it was given."""
+    """A logger like Weights & Biases': it has `log_image` (and no TensorBoard experiment); it remembers the calls."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.images: list[tuple[str, int, tuple[int, ...]]] = []
+        self.images: list[tuple[str, int | None, tuple[int, ...]]] = []
 
     @property
     def name(self) -> str:
@@ -188,19 +189,26 @@ class ImageRecorder(Logger):
     def version(self) -> int:
         return 0
 
-    @property
-    def experiment(self) -> ImageRecorder:
-        return self
-
-    def add_image(self, tag: str, image: np.ndarray, global_step: int, dataformats: str) -> None:
-        assert dataformats == "HWC"
-        self.images.append((tag, global_step, image.shape))
+    def log_image(self, key: str, images: list[Image.Image], step: int | None = None) -> None:
+        self.images += [(key, step, np.asarray(image).shape) for image in images]
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         pass
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+def tensorboard_images(log_dir: str) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """Every image in a TensorBoard run: tag -> (step, pixels), read back from the event files."""
+    from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
+
+    events = EventAccumulator(log_dir, size_guidance={IMAGES: 0})
+    events.Reload()
+    return {
+        tag: [(e.step, np.asarray(Image.open(io.BytesIO(e.encoded_image_string)))) for e in events.Images(tag)]
+        for tag in events.Tags()["images"]
+    }
 
 
 def fit_with_edits(tmp_path: Path, pipeline: Path, edits: ValidationEdits, loggers: list[Logger], val: Path | None):
@@ -225,8 +233,8 @@ def test_validation_edits_show_context_target_and_generated_as_png_files_logged_
         pipeline_path=str(pipelines["kontext"]), every_n_train_steps=2, samples=2, num_inference_steps=2,
         dirpath=str(tmp_path / "edits"),
     )  # fmt: skip
-    images, table = ImageRecorder(), CSVLogger(tmp_path, name="csv")
-    fit_with_edits(tmp_path, pipelines["kontext"], edits, [table, images], val)
+    board, table, images = TensorBoardLogger(tmp_path, name="tb"), CSVLogger(tmp_path, name="csv"), ImageRecorder()
+    fit_with_edits(tmp_path, pipelines["kontext"], edits, [board, table, images], val)
 
     # Samples 0 and 4 (spread over the 5), before training and after steps 2 and 4.
     written = sorted(str(p.relative_to(tmp_path / "edits")) for p in (tmp_path / "edits").rglob("*.png"))
@@ -235,6 +243,10 @@ def test_validation_edits_show_context_target_and_generated_as_png_files_logged_
     grid = np.asarray(Image.open(tmp_path / "edits" / "step=4" / "sample=4.png"))
     assert grid.shape == (8, 4 * 8 + 3 * 4, 3)
     assert (grid[:, 8:12] == 255).all() and not (grid[:, :8] == 255).all()
+    logged_images = tensorboard_images(board.log_dir)
+    assert sorted(logged_images) == ["val_edits/sample=0", "val_edits/sample=4"]
+    assert [step for step, _ in logged_images["val_edits/sample=4"]] == [0, 2, 4]
+    assert np.array_equal(logged_images["val_edits/sample=4"][-1][1], grid), "TensorBoard shows the PNG file's grid"
     assert images.images == [(f"val_edits/sample={i}", s, (8, 44, 3)) for s in (0, 2, 4) for i in (0, 4)]
     with open(Path(table.log_dir) / "metrics.csv") as metrics:
         rows = list(csv.DictReader(metrics))
