@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +194,20 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.fixture
+def restored_environment() -> Iterator[None]:
+    """The process environment as it was before the test.
+
+    An in-process ModelParallelStrategy fit leaves LOCAL_RANK, NODE_RANK and OMP_NUM_THREADS in `os.environ`; a
+    later multi-process fit started from this process would inherit LOCAL_RANK, take its ranks for launched
+    already, start only rank 0 and wait for rank 1 forever.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def fsdp2() -> Any:
     """FSDP2 on one rank in this process: DTensor weights, sharded checkpoint directories."""
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -205,13 +220,12 @@ def fsdp2() -> Any:
     [("qwen", "auto"), ("kontext", "auto"), pytest.param("qwen", "fsdp2", marks=pytest.mark.slow)],
 )
 def test_a_killed_lora_run_resumes_with_the_same_batches_and_bit_identical_losses(
-    arch: str, strategy: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    arch: str, strategy: str, tmp_path: Path, restored_environment: None
 ) -> None:
     cache = random_cache(tmp_path / "cache", arch, samples=6)  # 3 batches an epoch: the run crosses an epoch end
     make = fsdp2 if strategy == "fsdp2" else lambda: "auto"
-    if strategy == "fsdp2":  # Lightning would leave its choice in the environment of every later test
-        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    if strategy == "fsdp2":
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     try:
         fit_with_kill(cache, tmp_path / "whole", arch, make())
         with pytest.raises(SimulatedKill):
