@@ -105,7 +105,7 @@ INDEX_VIOLATIONS = [
     ),
     ({"compound_bucket_signature": {"target": [4, 8, 0], "contexts": [[4, 8, 8]]}}, r"\.target: expected positive"),
     ({"compound_bucket_signature": {"target": [4, 8, True], "contexts": [[4, 8, 8]]}}, r"\.target: expected positive"),
-    ({"compound_bucket_signature": {"target": [4, 8, 8], "contexts": []}}, r"\.contexts: expected a non-empty list"),
+    ({"compound_bucket_signature": {"target": [4, 8, 8], "contexts": None}}, r"\.contexts: expected a list of \[C"),
     ({"compound_bucket_signature": {"target": [4, 8, 8], "contexts": [[4, 8]]}}, r"\.contexts\[0\]: expected a list"),
     ({"target_token_length": -1}, r"\[0\]\.target_token_length: expected a non-negative integer"),
     ({"context_token_lengths": [1, 2]}, r"\[0\]\.context_token_lengths: expected 1 integers"),
@@ -230,7 +230,11 @@ PAYLOAD_VIOLATIONS = [
         lambda p: p.__setitem__("target_latent", torch.zeros(4, 8, 8, dtype=torch.long)),
         "target_latent: expected a floating",
     ),
-    (lambda p: p.__setitem__("context_latents", []), "context_latents: expected a non-empty list"),
+    (
+        lambda p: p.__setitem__("context_latents", []),
+        r"compound_bucket_signature: index says target=4x8x8/contexts=\[4x8x8\], "
+        r"tensors are target=4x8x8/contexts=\[\]",
+    ),
     (
         lambda p: p.__setitem__("context_latents", [torch.zeros(4, 8, 8, dtype=torch.int32)]),
         r"context_latents\[0\]: expected a floating",

@@ -19,7 +19,7 @@ from .loading import watch
 from .payload.corrupt import CorruptPolicy, SkipLog
 from .payload.payload import OpenPayload, materialized
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
-from .storage.reader import PayloadReader
+from .storage.reader import Opened, PayloadReader
 
 
 class ImageEditDataset(Dataset):
@@ -96,8 +96,11 @@ class ImageEditDataset(Dataset):
 
     def open_sample(self, idx: int) -> tuple[Sample, OpenPayload]:
         """Open payload `idx` and check it against the contract and its index record (no tensor bytes read yet)."""
+        return self.checked_sample(idx, self.reader.open(idx))
+
+    def checked_sample(self, idx: int, payload: OpenPayload) -> tuple[Sample, OpenPayload]:
+        """Check opened payload `idx` against the contract and its index record; closes it if it fails."""
         relative = self.reader.display(idx)
-        payload = self.reader.open(idx)
         try:
             sample = validate.payload(payload.fields, self.index.signature(idx), relative, self.index.source_revision)
         except BaseException:
@@ -109,22 +112,30 @@ class ImageEditDataset(Dataset):
     def open_batch(self, indices: list[int]) -> tuple[list[tuple[Sample, OpenPayload]], list[SkippedSample] | None]:
         """Open a batch's samples under the corrupt-sample policy; also the skipped ones (None under "raise")."""
         opened: list[tuple[Sample, OpenPayload]] = []
+        # All of the batch's payloads are opened first: a remote reader fetches their bytes concurrently.
+        payloads: list[Opened | None] = list(self.reader.open_many(indices))
         try:
-            if self.skips.policy == "raise":
-                for index in indices:
-                    opened.append(self.open_sample(index))
-                return opened, None
             skipped: list[SkippedSample] = []
-            for index in indices:
+            for position, (index, payload) in enumerate(zip(indices, payloads)):
                 try:
-                    opened.append(self.open_sample(index))
+                    if payload is None or isinstance(payload, BaseException):
+                        raise payload or AssertionError("a payload was checked twice")
+                    payloads[position] = None  # checked_sample owns it now: closes it when it fails
+                    opened.append(self.checked_sample(index, payload))
                 except validate.CacheFormatError as error:
+                    if self.skips.policy == "raise":
+                        raise
                     skipped.append(self.skips.record(index, error))
+            if self.skips.policy == "raise":
+                return opened, None
             if not opened:
                 opened.append(self.replacement_for(indices[0], skipped))
             return opened, skipped
         except BaseException:
             close_all(opened)
+            for payload in payloads:
+                if isinstance(payload, OpenPayload):
+                    payload.close()
             raise
 
     def replacement_for(self, index: int, skipped: list[SkippedSample]) -> tuple[Sample, OpenPayload]:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, TypeVar, cast, overload
 import torch
 from torch.utils.data import get_worker_info
 
-from ..contract.batch import Batch, BatchMetadata, Sample, SkippedSample
+from ..contract.batch import EDIT_MASK, Batch, BatchMetadata, Sample, SkippedSample
 from ..contract.file_tensor import FileTensor
 from .buffer import BatchBuffer
 from .shared_batch import SharedBatch
@@ -79,7 +79,7 @@ def _batch_fields(samples: Sequence[Sample]) -> list[_Field]:
         samples,
         lambda s: tuple(form(c) for c in s["context_latents"]),
         "ordered context_latents shapes/dtypes",
-        lambda forms: ", ".join(_shown_form(f) for f in forms),
+        lambda forms: ", ".join(_shown_form(f) for f in forms) or "none (a text-to-image row)",
     )
     _check_same(
         samples,
@@ -90,6 +90,12 @@ def _batch_fields(samples: Sequence[Sample]) -> list[_Field]:
     _check_same(samples, lambda s: s["prompt_attention_mask"].dtype, "prompt_attention_mask dtype", dtype_name)
     names = sorted(first["conditioning_tensors"])
     for i, sample in enumerate(samples[1:], start=1):
+        if (EDIT_MASK in sample["conditioning_tensors"]) != (EDIT_MASK in names):
+            has = ("has no", "has one") if EDIT_MASK in names else ("has one", "has none")
+            raise ValueError(
+                f"a batch must hold one compound signature: masked and unmasked samples never share a batch, "
+                f"but sample {i} {has[0]} {EDIT_MASK} and sample 0 {has[1]}"
+            )
         if sorted(sample["conditioning_tensors"]) != names:
             raise ValueError(
                 f"conditioning_tensors names differ within a batch: sample {i} has "

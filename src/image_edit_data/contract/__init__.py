@@ -4,12 +4,13 @@ Also the value types those rules check: `FileTensor`, a payload tensor not yet r
 """
 
 from . import validate
-from .batch import Batch, BatchMetadata, Sample, SkippedSample
+from .batch import EDIT_MASK, Batch, BatchMetadata, Sample, SkippedSample
 from .file_tensor import FileTensor, read_into
 from .paths import ContainedOpener, contained, open_regular, read_regular_file, resolve_inside
 from .signature import Shape3, Signature, sort_key
 
 __all__ = [
+    "EDIT_MASK",
     "Batch",
     "BatchMetadata",
     "ContainedOpener",

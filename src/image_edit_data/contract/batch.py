@@ -11,13 +11,17 @@ from typing import Any, Literal, TypedDict
 
 import torch
 
+EDIT_MASK = "edit_mask"
+"""The conditioning tensor of an edit-region mask: float32 `[H, W]` at the target latent's size, 1 = edited, in
+[0, 1]; a batch holds it as `[B, H, W]`. A sample with one has a masked signature (`Signature.mask`)."""
+
 
 class _SampleKeys(TypedDict):
     target_latent: torch.Tensor  # [C, H, W]
-    context_latents: list[torch.Tensor]  # one [C, h, w] per context position
+    context_latents: list[torch.Tensor]  # one [C, h, w] per context position; empty for a text-to-image row
     prompt_embeddings: torch.Tensor  # [S, D]
     prompt_attention_mask: torch.Tensor  # [S], bool or integer
-    conditioning_tensors: dict[str, torch.Tensor]
+    conditioning_tensors: dict[str, torch.Tensor]  # EDIT_MASK [H, W] among them when the sample has a mask
     metadata: dict[str, Any]  # the payload's metadata, token lengths filled in
 
 
@@ -62,12 +66,12 @@ class Batch(TypedDict):
     """One bucket's samples collated: what `collate_image_edit` returns and a training step receives."""
 
     image_latents: torch.Tensor  # [B, C, H, W]
-    context_latents: list[torch.Tensor]  # one [B, C, h, w] per context position
+    context_latents: list[torch.Tensor]  # one [B, C, h, w] per context position; empty for text-to-image rows
     text_embeddings: torch.Tensor  # [B, S_max, D], zero-padded
     text_attention_mask: torch.Tensor  # [B, S_max], zero-padded
-    conditioning_tensors: dict[str, torch.Tensor]  # name -> [B, ...]
+    conditioning_tensors: dict[str, torch.Tensor]  # name -> [B, ...]; EDIT_MASK [B, H, W] in masked batches
     data_type: Literal["image"]
     metadata: BatchMetadata
 
 
-__all__ = ["Batch", "BatchMetadata", "Sample", "SkippedSample"]
+__all__ = ["EDIT_MASK", "Batch", "BatchMetadata", "Sample", "SkippedSample"]

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import CacheFormatError as CacheFormatError  # re-exported: the contract's error
 from ..errors import fail, show
+from .batch import EDIT_MASK
 from .file_tensor import FileTensor
 from .signature import Signature
 
@@ -50,15 +51,18 @@ def shape(value: object, rank: int, file: str, field: str, allow_zero: bool = Fa
 
 
 def signature(value: object, file: str, field: str) -> Signature:
-    """Parse `{"target": [C,H,W], "contexts": [[C,h,w], ...]}` into a `Signature`."""
+    """Parse `{"target": [C,H,W], "contexts": [[C,h,w], ...]}` (contexts may be empty; `"mask": true` optional)."""
     if not isinstance(value, Mapping):
         fail(file, field, f"expected an object with 'target' and 'contexts', got {type(value).__name__}")
     target = shape(value.get("target"), 3, file, f"{field}.target")
     contexts = value.get("contexts")
-    if not isinstance(contexts, list) or not contexts:
-        fail(file, f"{field}.contexts", f"expected a non-empty list of [C, h, w] shapes, got {show(contexts)}")
+    if not isinstance(contexts, list):
+        fail(file, f"{field}.contexts", f"expected a list of [C, h, w] shapes (or none), got {show(contexts)}")
     parsed = tuple(shape(c, 3, file, f"{field}.contexts[{i}]") for i, c in enumerate(contexts))
-    return Signature(target=target, contexts=parsed)  # type: ignore[arg-type]
+    mask = value.get("mask", False)
+    if type(mask) is not bool:
+        fail(file, f"{field}.mask", f"expected true or false, got {show(mask)}")
+    return Signature(target=target, contexts=parsed, mask=mask)  # type: ignore[arg-type]
 
 
 def _plain_tensor(value: object, file: str, field: str) -> torch.Tensor | FileTensor:
@@ -106,10 +110,15 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
     target = _tensor_field(raw, "target_latent", file)
     target_shape = latent(target, file, "target_latent")
     contexts = raw.get("context_latents")
-    if not isinstance(contexts, (list, tuple)) or not contexts:
-        fail(file, "context_latents", f"expected a non-empty list of tensors, got {type(contexts).__name__}")
+    if not isinstance(contexts, (list, tuple)):
+        fail(file, "context_latents", f"expected a list of tensors (empty: no context), got {type(contexts).__name__}")
     context_shapes = tuple(latent(c, file, f"context_latents[{i}]") for i, c in enumerate(contexts))
-    actual = Signature(target=target_shape, contexts=context_shapes)
+    conditioning = raw.get("conditioning_tensors", {})
+    if conditioning is None:
+        conditioning = {}
+    if not isinstance(conditioning, Mapping):
+        fail(file, "conditioning_tensors", f"expected a mapping of name to tensor, got {type(conditioning).__name__}")
+    actual = Signature(target=target_shape, contexts=context_shapes, mask=EDIT_MASK in conditioning)
     if actual != expected:
         fail(file, "compound_bucket_signature", f"index says {expected.describe()}, tensors are {actual.describe()}")
 
@@ -130,25 +139,46 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
     if mask.is_floating_point() or mask.is_complex():
         fail(file, "prompt_attention_mask", f"expected a bool or integer dtype, got {mask.dtype}")
 
-    conditioning = raw.get("conditioning_tensors", {})
-    if conditioning is None:
-        conditioning = {}
-    if not isinstance(conditioning, Mapping):
-        fail(file, "conditioning_tensors", f"expected a mapping of name to tensor, got {type(conditioning).__name__}")
+    checked: dict[str, Any] = {}
     for name, tensor in conditioning.items():
         if not isinstance(name, str) or not name:
             fail(file, "conditioning_tensors", f"expected non-empty string names, got {show(name)}")
-        _plain_tensor(tensor, file, f"conditioning_tensors.{name}")
+        if name == EDIT_MASK:
+            checked[name] = edit_mask(tensor, target_shape[1:], file)
+        else:
+            checked[name] = _plain_tensor(tensor, file, f"conditioning_tensors.{name}")
 
-    metadata = _sample_metadata(raw.get("metadata"), actual, embeddings.shape[0], conditioning, file, manifest_revision)
+    metadata = _sample_metadata(raw.get("metadata"), actual, embeddings.shape[0], checked, file, manifest_revision)
     return {
         "target_latent": target,
         "context_latents": list(contexts),
         "prompt_embeddings": embeddings,
         "prompt_attention_mask": mask,
-        "conditioning_tensors": dict(conditioning),
+        "conditioning_tensors": checked,
         "metadata": metadata,
     }
+
+
+def edit_mask(value: object, spatial: tuple[int, ...], file: str) -> torch.Tensor:
+    """Check an edit mask (floating `[H, W]` at the target latent's `spatial` size, values in [0, 1]); return it read.
+
+    A mask is small (one channel at latent resolution) and its values weight the loss, so it is read and
+    checked on every load rather than only by `cache validate`; the batch then copies it from memory.
+    """
+    field = f"conditioning_tensors.{EDIT_MASK}"
+    tensor = _plain_tensor(value, file, field)
+    if tuple(tensor.shape) != tuple(spatial):
+        fail(file, field, f"expected shape {list(spatial)} (the target latent's [H, W]), got {list(tensor.shape)}")
+    if not tensor.is_floating_point():
+        fail(file, field, f"expected a floating-point dtype (float32), got {tensor.dtype}")
+    values = tensor.materialize() if isinstance(tensor, FileTensor) else tensor
+    if not bool(((values >= 0) & (values <= 1)).all()):  # NaN fails both comparisons
+        nan, inf = int(torch.isnan(values).sum()), int(torch.isinf(values).sum())
+        if nan or inf:
+            fail(file, field, f"expected finite values in [0, 1], got {nan} NaN and {inf} Inf values")
+        low, high = float(values.min()), float(values.max())
+        fail(file, field, f"expected values in [0, 1] (1 = edited), got values from {low:g} to {high:g}")
+    return values
 
 
 SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))

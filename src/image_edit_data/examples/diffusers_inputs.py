@@ -1,4 +1,5 @@
-"""Our batches as diffusers edit-transformer inputs: 2x2 latent packing, Kontext position ids, flow-matching times.
+"""Our batches as diffusers edit-transformer inputs: 2x2 latent packing, Kontext position ids, flow-matching times,
+and the loss weights of an edit-region mask.
 
 Pure tensor functions, so each can be checked against diffusers' own pipelines without a model.
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 TimestepSampling = Literal["logit_normal", "uniform"]
 
@@ -47,6 +49,36 @@ def kontext_image_ids(grids: Sequence[tuple[int, int]], device: torch.device) ->
         grid[..., 2] = torch.arange(cols, device=device)[None, :]
         ids.append(grid.reshape(rows * cols, 3))
     return torch.cat(ids)
+
+
+def packed_loss_weights(mask: torch.Tensor, latent_shape: Sequence[int], outside_weight: float) -> torch.Tensor:
+    """Per-element loss weights `[B, H/2 * W/2, 4C]` for a batch's edit masks `[B, H, W]` (1 = edited).
+
+    A latent cell weighs 1 inside the region, `outside_weight` outside, and in between as its mask value says
+    (`outside + (1 - outside) * mask`). The map is packed exactly as the latents are (`pack_latents`, one copy
+    per channel), so every element of a target token gets the weight of the latent cell it came from.
+    """
+    b, c, h, w = latent_shape
+    if tuple(mask.shape) != (b, h, w):
+        raise ValueError(
+            f"conditioning_tensors.edit_mask: expected shape {[b, h, w]} (the batch's target latents' [B, H, W]), "
+            f"got {list(mask.shape)}"
+        )
+    weights = outside_weight + (1.0 - outside_weight) * mask.float()
+    return pack_latents(weights[:, None].expand(b, c, h, w))
+
+
+def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error; with `weights`, each sample's weighted mean (sum of w * err^2 over sum of w), averaged.
+
+    Each sample's weights are normalised by their own sum, so a small edited region weighs as much as a large one
+    and weights of 1 everywhere give the plain mean. A sample whose weights are all 0 adds 0 to the batch mean.
+    """
+    if weights is None:
+        return F.mse_loss(pred, target)
+    squared = (pred - target).square() * weights
+    total = weights.flatten(1).sum(dim=1).clamp_min(torch.finfo(weights.dtype).tiny)
+    return (squared.flatten(1).sum(dim=1) / total).mean()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 Flow matching as those models were trained (rectified flow): `x_t = (1 - sigma) * x0 + sigma * noise`, the
 transformer predicts the velocity `noise - x0`, and the loss is its mean squared error over the target's tokens
-only (context tokens are conditioning). `sigma` is drawn logit-normal (SD3's `logit_normal` weighting scheme,
+only (context tokens are conditioning). A batch with edit masks (`conditioning_tensors["edit_mask"]`) weights that
+error per latent cell: 1 in the edited region, `mask_outside_weight` outside (`diffusers_inputs.weighted_mse`). A
+batch without contexts (text-to-image rows) gives the transformer the target's tokens alone, as the text-to-image
+pipelines do. `sigma` is drawn logit-normal (SD3's `logit_normal` weighting scheme,
 mean 0, std 1) and then moved by the resolution-dependent exponential shift of the model's scheduler, the
 same `mu` the pipelines use at inference; `timestep_sampling="uniform"` and `time_shift=False` switch either off.
 
@@ -18,13 +21,14 @@ sample (`validation_loss.py`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 
 from image_edit_data import ImageEditDataset
+from image_edit_data.contract import EDIT_MASK
 from image_edit_data.examples.diffusers_check import (
     ExpectedInputs,
     check_cache,
@@ -37,8 +41,10 @@ from image_edit_data.examples.diffusers_inputs import (
     TimestepSampling,
     pack_latents,
     packed_grids,
+    packed_loss_weights,
     sample_sigmas,
     step_generator,
+    weighted_mse,
 )
 from image_edit_data.examples.lora import LoraDefaults, LoraSettings, add_lora, resolve_lora
 from image_edit_data.examples.validation_loss import DEFAULT_VAL_SIGMAS, check_val_sigmas, fixed_noise
@@ -81,6 +87,9 @@ class DiffusersEditModule(LightningModule):
         lora_dropout: Dropout on the adapter's input during training.
         val_sigmas: Noise levels at which the validation loss is measured, each with the same noise per sample in
             every validation run; `val/loss` is their mean.
+        mask_outside_weight: Loss weight of the latent cells outside the edited region in batches with edit masks
+            (the region weighs 1). The default 0.1 keeps a small signal to reproduce the unedited part from the
+            context; 0.0 trains on the region alone, 1.0 ignores the masks. Batches without masks are unweighted.
     """
 
     transformer_class: ClassVar[Any]
@@ -111,6 +120,7 @@ class DiffusersEditModule(LightningModule):
         lora_target_modules: list[str] | None = None,
         lora_dropout: float = 0.0,
         val_sigmas: tuple[float, ...] = DEFAULT_VAL_SIGMAS,
+        mask_outside_weight: float = 0.1,
     ) -> None:
         super().__init__()
         if (model_path is None) == (model_config is None):
@@ -145,6 +155,7 @@ class DiffusersEditModule(LightningModule):
             resolve_lora(self.default_lora, lora_rank, lora_alpha, lora_target_modules, lora_dropout) if lora else None
         )
         self.val_sigmas = check_val_sigmas(val_sigmas)
+        self.mask_outside_weight = checked_outside_weight(mask_outside_weight)
         self.transformer: Any = None
 
     def configure_model(self) -> None:
@@ -226,7 +237,14 @@ class DiffusersEditModule(LightningModule):
         noisy = pack_latents(((1 - s) * x0 + s * noise).to(dtype))
         hidden = torch.cat([noisy, *(pack_latents(c) for c in contexts)], dim=1)
         pred = self.predict(hidden, sigmas.to(self.device, dtype), batch, grids)
-        return F.mse_loss(pred[:, : noisy.shape[1]].float(), pack_latents(noise - x0))
+        return weighted_mse(pred[:, : noisy.shape[1]].float(), pack_latents(noise - x0), self.loss_weights(batch, x0))
+
+    def loss_weights(self, batch: dict[str, Any], x0: torch.Tensor) -> torch.Tensor | None:
+        """Packed per-element weights from the batch's edit masks (`packed_loss_weights`), or None without masks."""
+        mask = batch.get("conditioning_tensors", {}).get(EDIT_MASK)
+        if mask is None:
+            return None
+        return packed_loss_weights(mask.to(x0.device), x0.shape, self.mask_outside_weight)
 
     def predict(
         self, hidden: torch.Tensor, sigmas: torch.Tensor, batch: dict[str, Any], grids: list[tuple[int, int]]
@@ -306,6 +324,14 @@ class DiffusersEditModule(LightningModule):
             optimizer, start_factor=1.0 / self.warmup_steps, total_iters=self.warmup_steps
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
+
+
+def checked_outside_weight(value: float) -> float:
+    """`mask_outside_weight` as a float, refused unless finite and >= 0."""
+    weight = float(value)
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"mask_outside_weight: expected a finite number >= 0 (the region weighs 1), got {value!r}")
+    return weight
 
 
 def shard_blocks(transformer: Any, mesh: Any) -> None:

@@ -132,10 +132,7 @@ def _read_stored(path: Path, root: Path) -> CacheIndex | None:
                 arrays.update({name: stored[name] for name in PACKED_ARRAYS})
                 if has_checksums(header["manifest"]):  # a manifest that declares them must find them here
                     arrays[CHECKSUMS] = stored[CHECKSUMS]
-        signatures = tuple(
-            Signature(tuple(s["target"]), tuple(tuple(c) for c in s["contexts"]))  # type: ignore[arg-type]
-            for s in header["signatures"]
-        )
+        signatures = tuple(Signature.from_json(s) for s in header["signatures"])
         _check_consistent(arrays, len(signatures))
     except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as error:
         log.warning("ignoring unreadable stored index %s (%s); parsing the shards again", path, error)

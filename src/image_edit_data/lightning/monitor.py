@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..contract.batch import EDIT_MASK
 from ..contract.signature import Signature
 
 STATE_VERSION = 1
@@ -55,10 +56,11 @@ class _Tally:
 
 
 def _batch_signature(batch: Mapping[str, Any]) -> str:
-    """The batch's bucket key (`Signature.describe()`), read from latent shapes only."""
+    """The batch's bucket key (`Signature.describe()`), read from latent shapes and whether it carries edit masks."""
     target = tuple(batch["image_latents"].shape[1:])
     contexts = tuple(tuple(c.shape[1:]) for c in batch["context_latents"])
-    return Signature(target, contexts).describe()  # type: ignore[arg-type]
+    masked = EDIT_MASK in batch.get("conditioning_tensors", {})
+    return Signature(target, contexts, masked).describe()  # type: ignore[arg-type]
 
 
 class ImageEditDataMonitor(Callback):

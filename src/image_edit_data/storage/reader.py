@@ -12,18 +12,22 @@ member from a local shard, whose tensors the batch then reads from the page cach
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..contract.paths import ContainedOpener
-from ..errors import fail
+from ..errors import CacheFormatError, fail
 from ..index.index import CacheIndex
 from ..index.packed import check_member_bytes
 from ..payload.payload import OpenPayload, open_payload
 from .prefetch import ShardPrefetcher
 from .remote import RemoteStore
 from .shard_cache import ShardCache
+
+Opened = OpenPayload | CacheFormatError  # a payload opened, or why it breaks the contract
 
 
 class PayloadReader:
@@ -43,6 +47,14 @@ class PayloadReader:
     def open(self, idx: int) -> OpenPayload:
         """Payload `idx`, opened (tensors still unread) and owning its descriptor."""
         raise NotImplementedError
+
+    def open_many(self, indices: Sequence[int]) -> list[Opened]:
+        """One batch's payloads, in order; a payload that fails the contract comes back as its error.
+
+        Any other error (a remote store that does not answer) closes what was opened and is raised.
+        Local layouts open one after the other; remote ones fetch their bytes concurrently.
+        """
+        return collect([functools.partial(self.open, index) for index in indices])
 
     def shard_bytes(self, number: int) -> bytes:
         """The whole of shard `number` of a packed cache, as stored."""
@@ -86,6 +98,28 @@ class LocalPackedReader(PayloadReader):
             fail(shard.path, "file", f"cannot be read: {error.strerror or error}")
         display, expected = self.display(idx), self.index.checksum(idx)
         return open_checked(path, descriptor, info, shard.nbytes, shard.path, display, (offset, length), expected)
+
+
+def collect(openers: Sequence[Callable[[], OpenPayload]]) -> list[Opened]:
+    """Run each opener in order, keeping contract errors in place; any other error closes what was opened."""
+    results: list[Opened] = []
+    try:
+        for opener in openers:
+            try:
+                results.append(opener())
+            except CacheFormatError as error:
+                results.append(error)
+        return results
+    except BaseException:
+        close_opened(results)
+        raise
+
+
+def close_opened(results: Sequence[Opened | None]) -> None:
+    """Close every payload among `results`."""
+    for result in results:
+        if isinstance(result, OpenPayload):
+            result.close()
 
 
 def memory_file(data: bytes, name: str) -> tuple[int, os.stat_result]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -56,10 +57,23 @@ class RemoteError(OSError):
 
 @dataclass
 class RequestStats:
-    """Requests made and bytes fetched by this process (for benchmarks and logs)."""
+    """Requests made and bytes fetched by this process (for benchmarks and logs); safe to count from threads."""
 
     requests: int = 0
     bytes_fetched: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, requests: int = 0, nbytes: int = 0) -> None:
+        """Add to the counters."""
+        with self._lock:
+            self.requests += requests
+            self.bytes_fetched += nbytes
+
+    def __getstate__(self) -> dict[str, int]:
+        return {"requests": self.requests, "bytes_fetched": self.bytes_fetched}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
 
 
 @dataclass
@@ -76,6 +90,7 @@ class RemoteStore:
     stats: RequestStats = field(default_factory=RequestStats)
     _fs: Any = field(default=None, repr=False, compare=False)
     _pid: int = field(default=-1, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
@@ -88,19 +103,25 @@ class RemoteStore:
     @property
     def fs(self) -> Any:
         """This process's filesystem, created on first use in it."""
-        if self._fs is None or self._pid != os.getpid():
-            import fsspec  # the [remote] extra; local caches never import it
+        with self._lock:  # a batch's concurrent requests must not each make a client
+            if self._fs is None or self._pid != os.getpid():
+                import fsspec  # the [remote] extra; local caches never import it
 
-            options = {"skip_instance_cache": True, **self.storage_options}
-            self._fs = fsspec.filesystem(self.protocol, **options)
-            self._pid = os.getpid()
-        return self._fs
+                options = {"skip_instance_cache": True, **self.storage_options}
+                self._fs = fsspec.filesystem(self.protocol, **options)
+                self._pid = os.getpid()
+            return self._fs
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_fs"], state["_pid"] = None, -1  # each process makes its own client
         state["stats"] = RequestStats()
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def url_of(self, relative: str) -> str:
         """The URL of a file named relative to the cache root."""
@@ -111,7 +132,7 @@ class RemoteStore:
         for attempt in range(1, self.retry.attempts + 1):
             if self.latency:
                 time.sleep(self.latency)
-            self.stats.requests += 1
+            self.stats.count(requests=1)
             try:
                 return request()
             except PERMANENT as error:
@@ -138,14 +159,14 @@ class RemoteStore:
                 f"{url}: reading bytes [{start}, {start + length}) returned {len(data)} bytes; "
                 "the object is shorter than the index says (truncated or replaced)"
             )
-        self.stats.bytes_fetched += length
+        self.stats.count(nbytes=length)
         return bytes(data)
 
     def read_all(self, relative: str) -> bytes:
         """A whole cache file."""
         url = self.url_of(relative)
         data = bytes(self.call("reading", url, lambda: self.fs.cat_file(url)))
-        self.stats.bytes_fetched += len(data)
+        self.stats.count(nbytes=len(data))
         return data
 
     def size(self, relative: str) -> int:

@@ -1,7 +1,9 @@
 """Readers for caches at URLs: one payload object per sample, or members of remote tar shards.
 
 Remote bytes (one ranged request per sample) are put in an anonymous in-memory file, so the
-payload code reads them through a descriptor as it reads a local file. With a node-local shard
+payload code reads them through a descriptor as it reads a local file. A batch's requests run
+concurrently (up to `CONCURRENT_REQUESTS` at a time per process), so a batch costs about one round
+trip rather than one per sample. With a node-local shard
 cache, a cached shard is read in place and a missing one falls back to a ranged request (the
 prefetcher downloads shards, readers never wait for it). Each member read is checked against its
 checksum where the cache has them; a cache packed before checksums has nothing to compare, so
@@ -10,17 +12,53 @@ there a member of a shard the node marked damaged (`damaged.py`) is refused rath
 
 from __future__ import annotations
 
-from ..errors import fail
+import functools
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from ..errors import CacheFormatError, fail
 from ..index.index import CacheIndex
 from ..index.packed import check_member_bytes
 from ..payload.payload import OpenPayload, open_payload
 from .damaged import DamagedShards
 from .prefetch import ShardPrefetcher
-from .reader import PayloadReader, memory_file, open_checked, remote_member
+from .reader import Opened, PayloadReader, close_opened, collect, memory_file, open_checked, remote_member
 from .remote import RemoteStore
 from .shard_cache import ShardCache
 
 DOWNLOAD_WAIT = 30.0  # seconds a reader waits for a shard download in progress before fetching its own bytes
+T = TypeVar("T")
+CONCURRENT_REQUESTS = 16  # per process: enough to hide a round trip for a batch, few enough to be polite
+
+
+class Fetcher:
+    """Runs a batch's remote requests on a small thread pool of this process (made on first use, never pickled)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"_pool": None, "_pid": -1}
+
+    def run(self, requests: Sequence[Callable[[], T]]) -> list[T | BaseException]:
+        """Each request's result or error, in order; one request runs inline."""
+        if len(requests) <= 1:
+            return [capture(request) for request in requests]
+        if self._pool is None or self._pid != os.getpid():
+            self._pool = ThreadPoolExecutor(CONCURRENT_REQUESTS, thread_name_prefix="remote-read")
+            self._pid = os.getpid()
+        return list(self._pool.map(capture, requests))
+
+
+def capture(request: Callable[[], T]) -> T | BaseException:
+    """The request's result, or the exception it raised."""
+    try:
+        return request()
+    except Exception as error:
+        return error
 
 
 class RemoteFilesReader(PayloadReader):
@@ -31,13 +69,24 @@ class RemoteFilesReader(PayloadReader):
     def __init__(self, index: CacheIndex, store: RemoteStore) -> None:
         super().__init__(index)
         self.store = store
+        self.fetcher = Fetcher()
 
     def display(self, idx: int) -> str:
         return self.store.url_of(self.index.relative_path(idx))
 
     def open(self, idx: int) -> OpenPayload:
+        return one(self.open_many([idx]))
+
+    def open_many(self, indices: Sequence[int]) -> list[Opened]:
+        fetched = self.fetcher.run(
+            [functools.partial(self.store.read_all, self.index.relative_path(i)) for i in indices]
+        )
+        return collect([functools.partial(self.from_fetched, i, data) for i, data in zip(indices, fetched)])
+
+    def from_fetched(self, idx: int, data: bytes | BaseException) -> OpenPayload:
+        """Payload `idx` from its fetched bytes (or the error fetching them raised)."""
+        data = raised(data)
         relative = self.index.relative_path(idx)
-        data = self.store.read_all(relative)
         opened = memory_file(data, relative)
         return open_payload(f"/proc/self/fd/{opened[0]}", self.display(idx), opened, remote_member(relative, len(data)))
 
@@ -55,30 +104,63 @@ class RemotePackedReader(PayloadReader):
         self.shard_cache = shard_cache
         self.damaged = damaged
         self.fallbacks = 0  # shard-cache misses served by a ranged request, in this process
+        self.fetcher = Fetcher()
 
     def display(self, idx: int) -> str:
         shard = self.index.shards[self.index.member(idx)[0]].path
         return f"{self.store.url_of(shard)}[{self.index.relative_path(idx)}]"
 
     def open(self, idx: int) -> OpenPayload:
-        display = self.display(idx)
+        return one(self.open_many([idx]))
+
+    def open_many(self, indices: Sequence[int]) -> list[Opened]:
+        cached: list[Opened | None] = []  # None: not in the shard cache, read by range
+        try:
+            for idx in indices:
+                try:
+                    cached.append(self.from_shard_cache(idx))
+                except CacheFormatError as error:
+                    cached.append(error)
+            ranged = [idx for idx, found in zip(indices, cached) if found is None]
+            fetched = self.fetcher.run([functools.partial(self.ranged_bytes, idx) for idx in ranged])
+            from_range = iter(
+                collect([functools.partial(self.from_bytes, i, data) for i, data in zip(ranged, fetched)])
+            )
+            return [found if found is not None else next(from_range) for found in cached]
+        except BaseException:
+            close_opened(cached)
+            raise
+
+    def from_shard_cache(self, idx: int) -> OpenPayload | None:
+        """Payload `idx` from the node's shard cache when its shard is there (None: read it by range)."""
+        if self.shard_cache is None:
+            return None
         number, offset, length = self.index.member(idx)
-        shard = self.index.shards[number]
-        expected = self.index.checksum(idx)
-        if self.shard_cache is not None:
-            local = self.shard_cache.open_when_cached(number, timeout=DOWNLOAD_WAIT)
-            if local is not None:
-                descriptor, info = local
-                path = str(self.shard_cache.local_path(number))
-                return open_checked(path, descriptor, info, shard.nbytes, path, display, (offset, length), expected)
+        local = self.shard_cache.open_when_cached(number, timeout=DOWNLOAD_WAIT)
+        if local is None:
             self.fallbacks += 1
-        if expected is None:
-            self.refuse_if_damaged(number, display)
-        data = self.store.read_range(shard.path, offset, length)
+            return None
+        descriptor, info = local
+        path = str(self.shard_cache.local_path(number))
+        expected = self.index.checksum(idx)
+        size = self.index.shards[number].nbytes
+        return open_checked(path, descriptor, info, size, path, self.display(idx), (offset, length), expected)
+
+    def ranged_bytes(self, idx: int) -> bytes:
+        """Member `idx`'s bytes, by one ranged request (refused for a shard known damaged with nothing to check by)."""
+        number, offset, length = self.index.member(idx)
+        if self.index.checksum(idx) is None:
+            self.refuse_if_damaged(number, self.display(idx))
+        return self.store.read_range(self.index.shards[number].path, offset, length)
+
+    def from_bytes(self, idx: int, data: bytes | BaseException) -> OpenPayload:
+        """Payload `idx` from its fetched member bytes (or the fetch's error), checked against its checksum."""
+        data = raised(data)
+        display, expected = self.display(idx), self.index.checksum(idx)
         if expected is not None:
             check_member_bytes(data, expected, display, "ranged read")
         descriptor, info = memory_file(data, display)
-        return open_payload(f"/proc/self/fd/{descriptor}", display, (descriptor, info), (0, length))
+        return open_payload(f"/proc/self/fd/{descriptor}", display, (descriptor, info), (0, len(data)))
 
     def shard_bytes(self, number: int) -> bytes:
         return self.store.read_all(self.index.shards[number].path)
@@ -104,3 +186,18 @@ class RemotePackedReader(PayloadReader):
             f"{verdict.reason()}; the shard is marked damaged on this node ({self.damaged.path(shard)}) and "
             "the cache has no member checksums to check a member by, so none of its members is read",
         )
+
+
+def raised(value: T | BaseException) -> T:
+    """`value`, or raise it when it is an error a request returned."""
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def one(results: list[Opened]) -> OpenPayload:
+    """The only payload of `results`, or raise its contract error."""
+    (result,) = results
+    if isinstance(result, CacheFormatError):
+        raise result
+    return result

@@ -52,6 +52,8 @@ class BuildOptions:
     """Index records per shard file."""
     num_samples: int | None = None
     """Encode only the first this many source positions."""
+    allow_no_context: bool = False
+    """Write examples without context images as text-to-image rows (otherwise each is a bad sample)."""
     on_bad_sample: Literal["stop", "skip"] = "stop"
     """Stop at the first bad raw example, or skip it and count it."""
     batch_size: int = 8
@@ -110,7 +112,10 @@ def instantiate(spec: EncoderSpec, protocol: type | tuple[type, ...], name: str)
 
 def settings_of(source: EditSource, image: EncoderSpec, text: EncoderSpec, options: BuildOptions) -> dict[str, Any]:
     """Everything that fixes the cache contents; a resumed build must match it exactly."""
+    # Only when set, so builds started before the option existed resume, and their metadata.json stays as it was.
+    rows = {"allow_no_context": True} if options.allow_no_context else {}
     return {
+        **rows,
         "source": source.describe(),
         "row_limit": options.num_samples,
         "format": options.payload_format,
@@ -231,7 +236,9 @@ def _encode_slice(
                 window = [p for p in mine[start : start + window_size] if p in todo]
                 if not window:
                     continue
-                loaded = list(pool.map(lambda p: prepare(source, p, options.resize, factor), window))
+                loaded = list(
+                    pool.map(lambda p: prepare(source, p, options.resize, factor, options.allow_no_context), window)
+                )
                 bad = [item for item in loaded if isinstance(item, BadSampleError)]
                 if bad and options.on_bad_sample == "stop":
                     raise bad[0]

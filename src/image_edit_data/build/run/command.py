@@ -64,6 +64,9 @@ def add_source_arguments(parser: ArgumentParser) -> None:
     group.add_argument(
         "--condition-columns", type=list[str], default=[], help="Condition image columns for prompt encoders."
     )
+    group.add_argument(
+        "--mask-column", type=str | None, default=None, help="Edit-mask image column (white = edited), e.g. mask_img."
+    )
     group.add_argument("--hf-cache-dir", type=str | None, default=None, help="Where datasets converts parquet files.")
 
 
@@ -100,6 +103,12 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--shard-size", type=int, default=10_000, help="Index records per shard.")
     parser.add_argument("--num-samples", type=int | None, default=None, help="Use only the first N source rows.")
+    parser.add_argument(
+        "--allow-no-context",
+        action=ActionYesNo,
+        default=False,
+        help="Write rows without context images as text-to-image rows (else each is a bad sample).",
+    )
     parser.add_argument(
         "--on-bad-sample",
         type=Literal["stop", "skip"],
@@ -154,6 +163,7 @@ def open_source(args: Namespace) -> EditSource:
         metadata_columns=args.metadata_columns,
         hf_cache_dir=args.hf_cache_dir,
         condition_columns=args.condition_columns,
+        mask_column=args.mask_column,
     )
 
 
@@ -187,6 +197,7 @@ def run_build(args: Namespace, console: Console) -> int:
         store_dtype=args.store_dtype,
         shard_size=args.shard_size,
         num_samples=args.num_samples,
+        allow_no_context=args.allow_no_context,
         on_bad_sample=args.on_bad_sample,
         batch_size=args.batch_size,
         num_workers=args.num_workers,

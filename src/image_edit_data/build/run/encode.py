@@ -6,7 +6,9 @@ sorted, then sample and slot order), so the same window always gives the same ba
 
 A `PromptEncoder` also gets each sample's condition images, unresized: its `condition` images, or,
 when it has none, its context images as read (a diffusers edit pipeline conditions its prompt on
-the input images it is given, and resizes them itself).
+the input images it is given, and resizes them itself). A text-to-image row (no context) with no
+condition gets none, and its encoder encodes the prompt as the model's text-to-image pipeline does.
+A sample's mask becomes its `edit_mask` (`mask.py`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 import torch
 from PIL import Image
 
+from ...contract.batch import EDIT_MASK
 from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, TextEncoder
-from ..sources.base import MISALIGNED_IMAGE, BadSampleError, EditSource, SourceRecord
+from ..sources.base import MISALIGNED_IMAGE, NO_CONTEXT, BadSampleError, EditSource, SourceRecord
+from .mask import latent_mask
 from .resize import ResizePolicy, to_pixels
 from .writer import EncodedSample
 
@@ -34,15 +38,21 @@ class Prepared:
     contexts: tuple[Image.Image, ...]
     original_pixel_shapes: Mapping[str, Any]
     conditions: tuple[Image.Image, ...] = ()  # as read, for a prompt encoder
+    edit_mask: torch.Tensor | None = None  # float32 [H / f, W / f] over the target's latent cells
 
 
-def prepare(source: EditSource, position: int, policy: ResizePolicy, factor: int) -> Prepared | BadSampleError:
-    """Read and resize one example, or return why it is bad."""
+def prepare(
+    source: EditSource, position: int, policy: ResizePolicy, factor: int, allow_no_context: bool = False
+) -> Prepared | BadSampleError:
+    """Read and resize one example, or return why it is bad (without contexts, unless `allow_no_context`)."""
     try:
         record = source.read(position)
     except BadSampleError as error:
         return error
     sample = record.sample
+    if not sample.contexts and not allow_no_context:
+        hint = "a text-to-image row: build with allow_no_context (--allow-no-context) to write it"
+        return BadSampleError(record.location, NO_CONTEXT, f"{record.missing_context} ({hint})")
     named = [("target image", sample.target), *((f"context image {i}", c) for i, c in enumerate(sample.contexts))]
     images = []
     for what, image in named:
@@ -50,13 +60,21 @@ def prepare(source: EditSource, position: int, policy: ResizePolicy, factor: int
             images.append(policy.apply(image, factor))
         except ValueError as error:
             return BadSampleError(record.location, MISALIGNED_IMAGE, f"{what} {error}")
+    edit_mask = None
+    if sample.mask is not None:  # after the target's resize, which refuses a size the policy cannot keep
+        if sample.mask.size != sample.target.size:
+            problem = f"mask image is {sample.mask.size[0]}x{sample.mask.size[1]} pixels, its target " + (
+                f"{sample.target.size[0]}x{sample.target.size[1]}; a mask covers its target pixel for pixel"
+            )
+            return BadSampleError(record.location, MISALIGNED_IMAGE, problem)
+        edit_mask = latent_mask(sample.mask, policy, factor)
     shapes: dict[str, Any] = {
         "target": list(sample.target.size[::-1]),
         "contexts": [list(c.size[::-1]) for c in sample.contexts],
     }
     if sample.conditions:
         shapes["conditions"] = [list(c.size[::-1]) for c in sample.conditions]
-    return Prepared(record, images[0], tuple(images[1:]), shapes, sample.conditions or sample.contexts)
+    return Prepared(record, images[0], tuple(images[1:]), shapes, sample.conditions or sample.contexts, edit_mask)
 
 
 def _name(encoder: Any) -> str:
@@ -137,6 +155,11 @@ def encode_window(
     )
     encoded = []
     for p, prompt in zip(prepared, prompts):
+        if EDIT_MASK in prompt.conditioning:
+            raise ValueError(
+                f"text_encoder {_name(text_encoder)}: returned a conditioning tensor named {EDIT_MASK!r}, the name "
+                f"the cache keeps for edit-region masks; give it another name"
+            )
         target = next(latents)
         contexts = tuple(next(latents) for _ in p.contexts)
         encoded.append(
@@ -149,6 +172,7 @@ def encode_window(
                 p.original_pixel_shapes,
                 prompt.conditioning,
                 prompt.truncations,
+                p.edit_mask,
             )
         )
     return encoded

@@ -83,18 +83,32 @@ class ResizePolicy:
             return image
         if self.mode != "presets":
             return image.resize((out_w, out_h), Image.Resampling.LANCZOS)
-        # Cover the preset, then crop the overflow evenly from both sides.
-        scale = max(out_w / image.width, out_h / image.height)
-        cover = (max(out_w, round(image.width * scale)), max(out_h, round(image.height * scale)))
+        cover, (left, top) = _cover(image.size, (out_w, out_h))
         resized = image.resize(cover, Image.Resampling.LANCZOS)
-        left, top = (cover[0] - out_w) // 2, (cover[1] - out_h) // 2
         return resized.crop((left, top, left + out_w, top + out_h))
+
+    def source_box(self, size: tuple[int, int], spatial_factor: int) -> tuple[float, float, float, float]:
+        """(left, top, right, bottom): the part of an image of `size`, in its own pixels, that `apply` keeps."""
+        out_w, out_h = self.output_size(size, spatial_factor)
+        width, height = size
+        if (out_w, out_h) == size or self.mode != "presets":
+            return 0.0, 0.0, float(width), float(height)
+        (cover_w, cover_h), (left, top) = _cover(size, (out_w, out_h))
+        x, y = width / cover_w, height / cover_h
+        return left * x, top * y, (left + out_w) * x, (top + out_h) * y
 
     def to_json(self) -> dict[str, Any]:
         """Provenance form (presets as lists)."""
         data = asdict(self)
         data["presets"] = [list(p) for p in self.presets]
         return data
+
+
+def _cover(size: tuple[int, int], out: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The size that covers `out` keeping the aspect of `size`, and the crop's (left, top) that centres `out` in it."""
+    scale = max(out[0] / size[0], out[1] / size[1])
+    cover = (max(out[0], round(size[0] * scale)), max(out[1], round(size[1] * scale)))
+    return cover, ((cover[0] - out[0]) // 2, (cover[1] - out[1]) // 2)
 
 
 def fit_budget(width: float, height: float, step: int, budget: int) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 
+from ...contract.batch import EDIT_MASK
 from ...contract.signature import Signature
 from ...payload.payload import PayloadFormat, save_payload
 from ..encoders.base import Truncation
@@ -52,13 +53,15 @@ class EncodedSample:
     original_pixel_shapes: Mapping[str, Any]  # {"target": [H, W], "contexts": [[h, w], ...]} before resizing
     conditioning: Mapping[str, torch.Tensor] = field(default_factory=dict)  # named, any shape
     prompt_truncations: tuple[Truncation, ...] = ()  # what a length limit cut from the prompt
+    edit_mask: torch.Tensor | None = None  # float32 [H, W] at the target latent's size, 1 = edited
 
 
 def assemble(
     sample: EncodedSample, payload_format: PayloadFormat, token_patch_size: int, store_dtype: StoreDtype
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The payload dict (contract layout) and the index record of one sample."""
-    signature = Signature(shape3(sample.target_latent), tuple(shape3(c) for c in sample.context_latents))
+    masked = sample.edit_mask is not None
+    signature = Signature(shape3(sample.target_latent), tuple(shape3(c) for c in sample.context_latents), masked)
     target_tokens = token_count(*signature.target[1:], token_patch_size)
     context_tokens = [token_count(*c[1:], token_patch_size) for c in signature.contexts]
     text_tokens = int(sample.prompt_attention_mask.bool().sum())
@@ -68,6 +71,8 @@ def assemble(
     conditioning = {
         name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in sample.conditioning.items()
     }
+    if sample.edit_mask is not None:  # float32 whatever the store dtype: a weight map, small beside the latents
+        conditioning[EDIT_MASK] = sample.edit_mask.to(torch.float32).contiguous()
     metadata = {
         "original_ids": {"id": raw.sample_id},
         "target_spatial_shape": list(signature.target[1:]),

@@ -4,7 +4,9 @@ A source is read by position (0-based) so a build can give each rank a disjoint 
 where it stopped; `location(position)` names the manifest line or data set row for messages.
 A sample's row index names its payload and orders the index: its position, unless the source says
 otherwise (a manifest line's `metadata.row_index`, as NeMo Automodel's preprocessor reads it).
-Anything wrong with one example raises `BadSampleError`, which the build stops on or skips.
+Anything wrong with one example raises `BadSampleError`, which the build stops on or skips. A source
+yields examples without context images as they are; the build refuses them unless it writes
+text-to-image rows (`BuildOptions.allow_no_context`), with the source's `missing_context` problem.
 A JSONL manifest is read by `manifest.py`, a Hugging Face data set by `hf.py`.
 """
 
@@ -53,6 +55,8 @@ class SourceRecord:
     sample: RawEditSample
     media: tuple[Mapping[str, Any], ...] = ()  # the manifest's media entries: role and file name
     given_row_index: int | None = None  # the manifest's metadata.row_index, if it gives one
+    # What is wrong with a record without context images when a build does not allow text-to-image rows.
+    missing_context: str = "contexts: expected at least one context image, got none"
 
     @property
     def row_index(self) -> int:
@@ -150,13 +154,11 @@ class SequenceSource:
         return f"{self.provenance.get('kind', 'source')} sample {position}"
 
     def read(self, position: int) -> SourceRecord:
-        """The example at `position`; refuses an empty prompt or a missing target or context."""
+        """The example at `position`; refuses an empty prompt (a build refuses one without contexts unless allowed)."""
         sample = self.samples[position]
         where = self.location(position)
         if not sample.prompt.strip():
             raise BadSampleError(where, EMPTY_PROMPT, f"prompt: expected text, got {sample.prompt!r}")
-        if not sample.contexts:
-            raise BadSampleError(where, NO_CONTEXT, "contexts: expected at least one context image, got none")
         return SourceRecord(position, where, sample)
 
     def describe(self) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """A local Hugging Face `datasets` data set (a `save_to_disk` directory or parquet files) as an edit source.
 
 Columns are mapped by name, e.g. MagicBrush: target `target_img`, contexts `[source_img]`, prompt
-`instruction`; InstructPix2Pix: target `edited_image`, contexts `[original_image]`, prompt `edit_prompt`.
+`instruction`, mask `mask_img`; InstructPix2Pix: target `edited_image`, contexts `[original_image]`,
+prompt `edit_prompt`.
 Image cells may be PIL images, `{"bytes": ..., "path": ...}` structs or raw bytes; image columns are
 read undecoded so a broken image is reported as a bad row instead of failing the whole read.
 Nothing is downloaded: only local paths are opened.
@@ -45,13 +46,22 @@ class ColumnMap:
     id_column: str | None = None
     metadata_columns: tuple[str, ...] = ()
     condition_columns: tuple[str, ...] = ()
+    mask_column: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Provenance form (without `condition_columns` when empty, as written before conditions were read)."""
+        """Provenance form (without `condition_columns` when empty and `mask_column` when unset, as written before
+        they were read)."""
         data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if not self.condition_columns:
             del data["condition_columns"]
+        if self.mask_column is None:
+            del data["mask_column"]
         return data
+
+
+def _empty(cell: Any) -> bool:
+    """A cell without an image: None or an empty list."""
+    return cell is None or (isinstance(cell, (list, tuple)) and not cell)
 
 
 def parquet_files(path: Path) -> list[Path]:
@@ -78,12 +88,15 @@ class HFDatasetSource:
         metadata_columns: Sequence[str] = (),
         hf_cache_dir: str | None = None,
         condition_columns: Sequence[str] = (),
+        mask_column: str | None = None,
     ) -> None:
         """
         Args:
             path: A `save_to_disk` directory, a parquet file, or a directory of parquet files.
             target_column: Column holding the edited (target) image.
-            context_columns: Columns holding the context images, in order; a cell may hold a list of images.
+            context_columns: Columns holding the context images, in order; a cell may hold a list of images. A row
+                whose context cells are all empty (or no columns) is a text-to-image row, which a build writes only
+                when asked; a row with some empty is a bad sample.
             prompt_column: Column holding the edit instruction.
             id_column: Column holding a unique sample id; without it the row number is the id.
             split: Split to read when `path` holds a DatasetDict with more than one split.
@@ -91,6 +104,8 @@ class HFDatasetSource:
             hf_cache_dir: Where `datasets` may write the Arrow files it converts parquet into.
             condition_columns: Columns holding condition images for prompt encoders (a cell may hold a list
                 or be empty); they are not VAE-encoded.
+            mask_column: Column holding the edit-region mask (white = edited, the target's size), e.g. MagicBrush's
+                `mask_img`; an empty cell leaves that row unmasked.
         """
         import datasets
 
@@ -103,9 +118,8 @@ class HFDatasetSource:
             id_column,
             tuple(metadata_columns),
             tuple(condition_columns),
+            mask_column,
         )
-        if not context_columns:
-            raise ValueError(f"{self.name}: context_columns: expected at least one column name, got none")
         if not self.path.exists():
             raise FileNotFoundError(f"{self.path}: data set path does not exist")
         self.root = Path(os.path.realpath(self.path if self.path.is_dir() else self.path.parent))
@@ -122,10 +136,10 @@ class HFDatasetSource:
             loaded = loaded[split]
         self.split = split
         names = [target_column, *context_columns, prompt_column, *metadata_columns, *condition_columns]
-        missing = [c for c in [*names, id_column] if c is not None and c not in loaded.column_names]
+        missing = [c for c in [*names, id_column, mask_column] if c is not None and c not in loaded.column_names]
         if missing:
             raise ValueError(f"{self.name}: columns {missing} not found; the data set has {loaded.column_names}")
-        for column in (target_column, *context_columns, *condition_columns):
+        for column in (target_column, *context_columns, *condition_columns, *([mask_column] if mask_column else [])):
             if isinstance(loaded.features[column], datasets.Image):
                 loaded = loaded.cast_column(column, datasets.Image(decode=False))
         self.dataset = loaded
@@ -163,10 +177,14 @@ class HFDatasetSource:
             raise BadSampleError(where, NO_TARGET, f"{target_column}: expected an image, got None")
         target = self._image(row[target_column], where, target_column)
         contexts: list[Image.Image] = []
+        empty = [c for c in self.columns.context_columns if _empty(row[c])]
+        if empty and len(empty) < len(self.columns.context_columns):  # only a row without any context is text-to-image
+            column = empty[0]
+            raise BadSampleError(where, NO_CONTEXT, f"{column}: expected a context image, got {row[column]!r}")
         for column in self.columns.context_columns:
             cell = row[column]
-            if cell is None or (isinstance(cell, (list, tuple)) and not cell):
-                raise BadSampleError(where, NO_CONTEXT, f"{column}: expected a context image, got {cell!r}")
+            if _empty(cell):
+                continue
             if isinstance(cell, (list, tuple)):
                 contexts.extend(self._image(c, where, f"{column}[{i}]") for i, c in enumerate(cell))
             else:
@@ -176,9 +194,17 @@ class HFDatasetSource:
             cell = row[column]
             cells = [] if cell is None else list(cell) if isinstance(cell, (list, tuple)) else [cell]
             conditions.extend(self._image(c, where, f"{column}[{i}]") for i, c in enumerate(cells))
+        mask_column = self.columns.mask_column
+        mask_cell = None if mask_column is None else row[mask_column]
+        mask = None if mask_cell is None else self._image(mask_cell, where, str(mask_column))
         metadata = {c: self._plain(row[c]) for c in self.columns.metadata_columns}
-        sample = RawEditSample(str(sample_id), prompt, target, tuple(contexts), metadata, tuple(conditions))
-        return SourceRecord(position, where, sample)
+        sample = RawEditSample(str(sample_id), prompt, target, tuple(contexts), metadata, tuple(conditions), mask)
+        if self.columns.context_columns:
+            first = self.columns.context_columns[0]
+            missing = f"{first}: expected a context image, got {row[first]!r}"
+        else:
+            missing = "context_columns: expected a context image column, got none"
+        return SourceRecord(position, where, sample, missing_context=missing)
 
     def _image(self, cell: Any, where: str, field: str) -> Image.Image:
         """A PIL image from a decoded image, an undecoded `{"bytes", "path"}` struct or raw bytes."""

@@ -17,7 +17,6 @@ from .base import (
     EMPTY_PROMPT,
     INVALID_ENTRY,
     MISSING_IMAGE,
-    NO_CONTEXT,
     NO_TARGET,
     BadSampleError,
     SourceRecord,
@@ -41,16 +40,19 @@ class _Entry:
     row_index: int | None = None  # metadata.row_index, when given
 
 
-MEDIA_ROLES = ("target", "context", "condition")
+MEDIA_ROLES = ("target", "context", "condition", "mask")
+MISSING_CONTEXT = "media: expected at least one entry with role 'context', got none"
 
 
 class JsonlManifestSource:
     """NeMo Automodel's generic image-edit manifest: one JSON object per line.
 
-    Each object has `id`, `prompt`, an ordered `media` list of `{"role": "target"|"context"|"condition",
+    Each object has `id`, `prompt`, an ordered `media` list of `{"role": "target"|"context"|"condition"|"mask",
     "file_name": ...}` with paths relative to the manifest's directory, and an optional `metadata`
     object. Condition images are read for prompt encoders that look at them (Qwen-Image-Edit's
-    Qwen2.5-VL); they are not VAE-encoded. Blank lines are ignored; positions count the other lines in order.
+    Qwen2.5-VL); they are not VAE-encoded. A `mask` (at most one, the target's size, white = edited)
+    becomes the sample's edit mask. A line without a `context` is a text-to-image row, which a build
+    writes only when asked. Blank lines are ignored; positions count the other lines in order.
     As in NeMo Automodel, `metadata.row_index` (a filtered export keeps its original rows' numbers) is the
     row index, the position when absent, and must be unique; media entries keep only role and file name.
     """
@@ -148,8 +150,9 @@ class JsonlManifestSource:
             return bad(
                 kind, f"media: expected exactly one entry with role 'target', got {roles.count('target')}", sample_id
             )
-        if "context" not in roles:
-            return bad(NO_CONTEXT, "media: expected at least one entry with role 'context', got none", sample_id)
+        if roles.count("mask") > 1:
+            problem = f"media: expected at most one entry with role 'mask', got {roles.count('mask')}"
+            return bad(INVALID_ENTRY, problem, sample_id)
         if not isinstance(metadata, dict):
             return bad(INVALID_ENTRY, f"metadata: expected an object, got {type(metadata).__name__}", sample_id)
         if given is not None and row_index is None:
@@ -159,12 +162,13 @@ class JsonlManifestSource:
         return _Entry(line, sample_id, prompt, kept, metadata, row_index=row_index)
 
     def read(self, position: int) -> SourceRecord:
-        """Open the entry's images: the target, the contexts and the conditions, each in manifest order."""
+        """Open the entry's images: the target, the contexts, the conditions (each in manifest order) and the mask."""
         entry = self.entries[position]
         if entry.error is not None:
             raise entry.error
         where = self._where(entry.line)
         target: Image.Image | None = None
+        mask: Image.Image | None = None
         contexts: list[Image.Image] = []
         conditions: list[Image.Image] = []
         for i, item in enumerate(entry.media):
@@ -177,14 +181,16 @@ class JsonlManifestSource:
                 target = image
             elif item["role"] == "context":
                 contexts.append(image)
+            elif item["role"] == "mask":
+                mask = image
             else:
                 conditions.append(image)
         if target is None:  # unreachable after _parse, kept so the type is narrowed without assert
             raise BadSampleError(where, NO_TARGET, "media: no entry with role 'target'")
         sample = RawEditSample(
-            entry.sample_id or "", entry.prompt, target, tuple(contexts), entry.metadata or {}, tuple(conditions)
+            entry.sample_id or "", entry.prompt, target, tuple(contexts), entry.metadata or {}, tuple(conditions), mask
         )
-        return SourceRecord(position, where, sample, entry.media, entry.row_index)
+        return SourceRecord(position, where, sample, entry.media, entry.row_index, MISSING_CONTEXT)
 
     def describe(self) -> dict[str, Any]:
         """Kind, absolute manifest path and number of entries."""

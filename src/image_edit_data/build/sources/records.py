@@ -19,6 +19,7 @@ class RawEditSample:
     sample_id: str
     prompt: str
     target: PIL.Image.Image  # RGB
-    contexts: tuple[PIL.Image.Image, ...]  # ordered, non-empty, RGB; may differ in size from target
+    contexts: tuple[PIL.Image.Image, ...]  # ordered, RGB; may differ in size from target; empty: a text-to-image row
     metadata: Mapping[str, Any] = field(default_factory=dict)  # JSON-serialisable provenance
     conditions: tuple[PIL.Image.Image, ...] = ()  # ordered RGB images a prompt encoder may look at; not VAE-encoded
+    mask: PIL.Image.Image | None = None  # the edited region, white = edited, pixel for pixel over the target

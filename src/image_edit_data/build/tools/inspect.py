@@ -71,6 +71,21 @@ def render_table(index: CacheIndex, rows: list[BucketRow], patch_size: int) -> T
     return table
 
 
+def kinds_note(index: CacheIndex) -> str | None:
+    """How many samples are text-to-image rows (no context) and how many carry an edit mask; None for neither."""
+    sizes = index.bucket_sizes()
+    kinds = (
+        ("text-to-image (no context)", "contexts=[]", [not s.contexts for s in index.signatures]),
+        ("with an edit mask (conditioning_tensors.edit_mask)", "/mask", [s.mask for s in index.signatures]),
+    )
+    notes = []
+    for what, marked, chosen in kinds:
+        buckets = [int(n) for n, has in zip(sizes, chosen) if has]
+        if buckets:
+            notes.append(f"{sum(buckets)} samples {what} in {len(buckets)} bucket(s) marked {marked}")
+    return "; ".join(notes) or None
+
+
 def write_histogram(index: CacheIndex, rows: list[BucketRow], path: Path) -> None:
     """A PNG with samples per bucket, latent tokens per sample and text tokens per sample."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -109,6 +124,9 @@ def inspect_main(args: Namespace, console: Console) -> int:
     patch_size = args.patch_size or patch_size_of(index)
     rows = bucket_rows(index, patch_size)
     console.print(render_table(index, rows, patch_size))
+    note = kinds_note(index)
+    if note is not None:
+        console.print(note, highlight=False, markup=False)
     if index.packed:  # the packed layout (index/packed.py): how the samples are stored
         total = sum(s.nbytes for s in index.shards)
         checksums = CHECKSUM if index.member_checksum is not None else "none (packed before them)"

@@ -20,6 +20,7 @@ from ...contract.validate import CacheFormatError
 from ...dataset import ImageEditDataset
 from ...index.index import CacheIndex
 from ...index.packed import CHECKSUM
+from .inspect import kinds_note
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,12 @@ def validate_main(args: Namespace, console: Console) -> int:
         console.print(note, highlight=False, markup=False)
     if not problems:
         finite = ", all values finite" if args.check_finite else ""
-        console.print(f"[green]ok:[/green] {len(dataset)} samples in {dataset.index.root} load and validate{finite}")
+        kinds = kinds_note(dataset.index)  # masks are checked whatever the options: the contract reads their values
+        also = "" if kinds is None else f" ({kinds})"
+        console.print(
+            f"[green]ok:[/green] {len(dataset)} samples in {dataset.index.root} load and validate{finite}{also}",
+            highlight=False,
+        )
         return 0
     bad = len({p.index for p in problems if p.index >= 0})
     shards = sum(p.index < 0 for p in problems)

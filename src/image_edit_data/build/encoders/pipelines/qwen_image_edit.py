@@ -7,6 +7,11 @@ images; 1024 x 1024 for the original, which takes exactly one), each side rounde
 Neither pipeline truncates that sequence (its `max_sequence_length` argument is only checked, never
 applied), so by default neither does the cache: the first release's one condition, given to Qwen2.5-VL
 at about 1024 x 1024, is over 1,300 vision tokens, and they come before the instruction's.
+
+A prompt without condition images (a text-to-image row) is encoded as Qwen-Image's text-to-image
+pipeline (`QwenImagePipeline`) encodes it: its own system template, the text tokenizer only. That
+pipeline does cut the sequence, at its `__call__`'s `max_sequence_length` (512 by default, at most
+1024), so such a prompt is cut there too (or at a smaller cap you set), and each cut is reported.
 Latents are the VAE's latent mode, normalised per channel as `(z - latents_mean) / latents_std`.
 """
 
@@ -24,6 +29,9 @@ from ..pipeline import DiffusersPipelineEncoder
 
 CONDITION_AREA = {"QwenImageEditPlusPipeline": 384 * 384, "QwenImageEditPipeline": 1024 * 1024}
 CONDITION_STEP = 32
+TEXT_TO_IMAGE = "QwenImagePipeline"
+TEXT_TO_IMAGE_LENGTH = 512  # QwenImagePipeline.__call__'s default max_sequence_length, which it applies
+TEXT_TO_IMAGE_MAX_LENGTH = 1024  # the longest max_sequence_length QwenImagePipeline.__call__ accepts
 
 
 def condition_size(width: int, height: int, area: int) -> tuple[int, int]:
@@ -45,6 +53,7 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
     A `max_sequence_length` cap keeps only the first tokens of a longer prompt and reports the cut
     (`PromptEncoding.truncations`; the build warns and records it). Prompts are encoded one at a time,
     as the pipeline does: each sample brings its own images. No conditioning tensors are returned.
+    A prompt without images goes through `QwenImagePipeline.encode_prompt` (see the module docstring).
     """
 
     pipeline_classes: ClassVar[tuple[str, ...]] = tuple(CONDITION_AREA)
@@ -68,6 +77,7 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
         super().__init__(path, torch_dtype, device, max_sequence_length)
         self.condition_area = CONDITION_AREA[type(self.pipeline).__name__]
         self.single_condition = type(self.pipeline).__name__ == "QwenImageEditPipeline"
+        self._text_to_image: Any = None  # QwenImagePipeline on the same text encoder, made on first use
         vae_config = self.pipeline.vae.config
         self.latents_mean = torch.tensor(vae_config.latents_mean).view(1, -1, 1, 1, 1)
         self.latents_std = torch.tensor(vae_config.latents_std).view(1, -1, 1, 1, 1)
@@ -100,7 +110,8 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
         results = []
         for prompt, images in zip(prompts, conditions):
             if not images:
-                raise ValueError(f"{type(self).__name__}: prompt {prompt!r} has no condition or context image")
+                results.append(self.encode_text_only(prompt))
+                continue
             if self.single_condition and len(images) != 1:
                 raise ValueError(
                     f"{self.path}: QwenImageEditPipeline looks at exactly one condition image, got {len(images)} "
@@ -124,3 +135,41 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
             cut = Truncation("Qwen2.5-VL", length, cap, f"max_sequence_length {cap}")
             results.append(PromptEncoding(embeddings[0, :cap], real[:cap], truncations=(cut,)))
         return results
+
+    def text_to_image_pipeline(self) -> Any:
+        """Qwen-Image's text-to-image pipeline sharing this pipeline's text encoder and tokenizer (nothing loaded)."""
+        if self._text_to_image is None:
+            import diffusers
+
+            pipeline_class = getattr(diffusers, TEXT_TO_IMAGE, None)
+            if pipeline_class is None:
+                raise ValueError(
+                    f"{self.path}: a prompt without condition images is encoded as {TEXT_TO_IMAGE} does, and "
+                    f"diffusers {diffusers.__version__} has no {TEXT_TO_IMAGE}; upgrade it (pip install -U diffusers)"
+                )
+            self._text_to_image = pipeline_class(
+                scheduler=None,
+                vae=None,
+                text_encoder=self.pipeline.text_encoder,
+                tokenizer=self.pipeline.tokenizer,
+                transformer=None,
+            )
+        return self._text_to_image
+
+    def encode_text_only(self, prompt: str) -> PromptEncoding:
+        """One prompt without images, through `QwenImagePipeline.encode_prompt`, cut where its `__call__` cuts."""
+        pipeline = self.text_to_image_pipeline()
+        if self.max_sequence_length is None:
+            cap, cause = TEXT_TO_IMAGE_LENGTH, f"{TEXT_TO_IMAGE}'s default max_sequence_length {TEXT_TO_IMAGE_LENGTH}"
+        else:
+            cap = min(self.max_sequence_length, TEXT_TO_IMAGE_MAX_LENGTH)
+            cause = f"max_sequence_length {cap}"
+        embeddings, _ = pipeline.encode_prompt(
+            prompt=[prompt], device=self.device, num_images_per_prompt=1, max_sequence_length=cap
+        )
+        # The template's tokens before the prompt are dropped, as encode_prompt drops them.
+        template = pipeline.prompt_template_encode.format(prompt)
+        tokens = len(pipeline.tokenizer(template)["input_ids"]) - pipeline.prompt_template_encode_start_idx
+        mask = torch.ones(embeddings.shape[1], dtype=torch.int64)
+        cuts = (Truncation("Qwen2.5-VL", tokens, embeddings.shape[1], cause),) if tokens > embeddings.shape[1] else ()
+        return PromptEncoding(embeddings[0], mask, truncations=cuts)
