@@ -33,6 +33,12 @@ def _bench(command: str, rest: list[str], from_shell: bool) -> int:
     return bench_main(rest)
 
 
+def _export_lora(command: str, rest: list[str], from_shell: bool) -> int:
+    from .examples.lora_export import export_lora_main
+
+    return export_lora_main(rest)
+
+
 def _stress(command: str, rest: list[str], from_shell: bool) -> int:
     from .bench.stress import stress_main
 
@@ -56,6 +62,7 @@ COMMANDS: dict[str, Command] = {
     "cache": Command("SUBCOMMAND", "build, check and rewrite caches:", _cache),
     "demo-cache": Command("OUT_DIR", "write the procedural demo cache (no downloads, CPU only)", _demo_cache),
     "bench": Command("CACHE_DIR", "measure open time, index memory, samples/s and worker memory on your cache", _bench),
+    "export-lora": Command("CKPT OUT_DIR", "write a LoRA run's adapter for diffusers' load_lora_weights", _export_lora),
     "stress": Command("[--epochs N]", "DDP fits with loader workers over many epoch changes: hangs and time", _stress),
 }
 

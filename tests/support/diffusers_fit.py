@@ -2,6 +2,7 @@
 
 Run as a script (the tests start it in a subprocess):
     python tests/support/diffusers_fit.py CACHE OUT --arch qwen --max-steps 8 [--devices 2] [--kill-at-step 4]
+        [--ckpt PATH] [--lora]
 The model is the tiny config's (`configs/tiny/`). OUT/rank{r}.jsonl gets one line per training batch,
 `{"step", "ids", "contexts", "loss"}`; OUT/rank{r}.initial.json and OUT/rank{r}.params.json hold every parameter's sum
 when training starts and when fit ends, to compare ranks. Checkpoints `step={s}.ckpt` go to OUT/ckpt every
@@ -97,12 +98,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp", help="with --devices > 1")
     parser.add_argument("--no-checkpoints", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="train a rank-4 LoRA instead of every weight")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # the same float results in every run, and no oversubscription on small machines
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
-    model = tiny_module(args.arch)
+    model = tiny_module(args.arch, **({"lora": True, "lora_rank": 4, "learning_rate": 1e-2} if args.lora else {}))
     datamodule = ImageEditDataModule(cache_dir=args.cache, batch_size=args.batch_size, num_workers=0, seed=42)
     checkpoint = KillAfterCheckpoint(
         kill_at_step=args.kill_at_step, dirpath=out / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1

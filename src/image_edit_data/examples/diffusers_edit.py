@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from image_edit_data.examples.diffusers_check import ExpectedInputs
 from image_edit_data.examples.diffusers_inputs import ResolutionShift, kontext_image_ids, qwen_img_shapes
 from image_edit_data.examples.diffusers_module import DiffusersEditModule
+from image_edit_data.examples.lora import LoraDefaults
 
 __all__ = ["POOLED", "DiffusersEditModule", "FluxKontextModule", "QwenImageEditModule"]
 
@@ -34,6 +35,17 @@ class QwenImageEditModule(DiffusersEditModule):
     transformer_class = QwenImageTransformer2DModel
     # The released Qwen-Image scheduler_config.json (its shift_terminal only stretches inference schedules).
     default_shift = ResolutionShift(base_seq_len=256, max_seq_len=8192, base_shift=0.5, max_shift=0.9)
+    # Every linear layer of every block, as ai-toolkit's and musubi-tuner's Qwen-Image(-Edit) LoRAs (rank 16).
+    default_lora = LoraDefaults(
+        rank=16,
+        target_modules=(
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+            "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2",
+            "img_mod.1", "txt_mod.1",
+        ),
+        source="ai-toolkit and musubi-tuner: every linear layer of the transformer blocks, rank 16",
+    )  # fmt: skip
 
     def unreachable_parameters(self) -> list[torch.nn.Parameter]:
         """The last block's text-stream output layers: the transformer drops the text tokens after that block."""
@@ -45,7 +57,9 @@ class QwenImageEditModule(DiffusersEditModule):
     ) -> torch.Tensor:
         """Call the Qwen-Image transformer on one batch."""
         text = batch["text_embeddings"].to(self.device, hidden.dtype)
-        mask = batch["text_attention_mask"].to(self.device)
+        # None when every prompt token is real: the pipeline then passes no mask either.
+        mask = batch["text_attention_mask"]
+        mask = None if mask is None else mask.to(self.device)
         inputs: dict[str, Any] = {
             "hidden_states": hidden,
             "encoder_hidden_states": text,
@@ -56,7 +70,7 @@ class QwenImageEditModule(DiffusersEditModule):
             "return_dict": False,
         }
         if takes_txt_seq_lens(self.transformer):
-            inputs["txt_seq_lens"] = mask.sum(dim=1).tolist()
+            inputs["txt_seq_lens"] = [text.shape[1]] * text.shape[0] if mask is None else mask.sum(dim=1).tolist()
         return self.transformer(**inputs)[0]  # type: ignore[no-any-return]
 
     def configure_model(self) -> None:
@@ -87,6 +101,17 @@ class FluxKontextModule(DiffusersEditModule):
     transformer_class = FluxTransformer2DModel
     # FLUX.1's scheduler_config.json.
     default_shift = ResolutionShift(base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15)
+    # diffusers' FLUX.1 Kontext LoRA example's layers (attention of both block kinds, feed-forwards, proj_mlp) at
+    # ai-toolkit's Kontext rank 16.
+    default_lora = LoraDefaults(
+        rank=16,
+        target_modules=(
+            "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+        ),
+        source="diffusers' train_dreambooth_lora_flux_kontext.py layers, ai-toolkit's Kontext rank 16",
+    )  # fmt: skip
 
     def __init__(self, mask_text_padding: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)

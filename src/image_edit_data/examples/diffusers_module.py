@@ -13,6 +13,10 @@ Latents `[B, C, H, W]` are packed into 2x2 patches, `[B, HW/4, 4C]`; the noisy t
 then each context's, as in `QwenImageEditPlusPipeline` and `FluxKontextPipeline`. Noise and times of a step
 are drawn from a generator seeded by (`noise_seed`, global step, batch index, rank), so a resumed run continues
 the loss curve of an uninterrupted one exactly.
+
+With `lora: true` the transformer is frozen and a peft LoRA adapter trains instead (`lora.py`): checkpoints then
+hold the adapter alone, and validation measures the flow loss on a fixed grid of noise levels with noise fixed per
+sample (`validation_loss.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from image_edit_data.examples.diffusers_inputs import (
     step_generator,
     weighted_mse,
 )
+from image_edit_data.examples.lora import LoraDefaults, LoraSettings, add_lora, resolve_lora
+from image_edit_data.examples.validation_loss import DEFAULT_VAL_SIGMAS, check_val_sigmas, fixed_noise
 from image_edit_data.mixture import MixtureDataset
 
 
@@ -70,7 +76,18 @@ class DiffusersEditModule(LightningModule):
         max_shift: `mu` at `max_seq_len`; None takes the architecture's value.
         guidance_scale: Embedded guidance fed to guidance-distilled models (`guidance_embeds` in the config).
         gradient_checkpointing: Recompute each transformer block in the backward pass to save activation memory.
-        noise_seed: Seed of every step's noise and times, combined with the step, batch index and rank.
+        noise_seed: Seed of every step's noise and times, combined with the step, batch index and rank; also of
+            the random weights built from `model_config` and of the adapter's initial weights.
+        lora: Train a LoRA adapter (peft) on the frozen transformer instead of every weight; checkpoints then hold
+            only the adapter, which `image-edit-data export-lora` (or the `LoraExport` callback) writes for
+            diffusers' `load_lora_weights`.
+        lora_rank: The adapter's rank; None takes the architecture's default (16 for both).
+        lora_alpha: The adapter's scale numerator (the update is scaled by `lora_alpha / lora_rank`); None: the rank.
+        lora_target_modules: Names (or name suffixes, such as `attn.to_q`) of the linear layers to adapt; None takes
+            the architecture's default (see `default_lora` of each module).
+        lora_dropout: Dropout on the adapter's input during training.
+        val_sigmas: Noise levels at which the validation loss is measured, each with the same noise per sample in
+            every validation run; `val/loss` is their mean.
         mask_outside_weight: Loss weight of the latent cells outside the edited region in batches with edit masks
             (the region weighs 1). The default 0.1 keeps a small signal to reproduce the unedited part from the
             context; 0.0 trains on the region alone, 1.0 ignores the masks. Batches without masks are unweighted.
@@ -78,6 +95,7 @@ class DiffusersEditModule(LightningModule):
 
     transformer_class: ClassVar[Any]
     default_shift: ClassVar[ResolutionShift]
+    default_lora: ClassVar[LoraDefaults]
 
     def __init__(
         self,
@@ -97,6 +115,12 @@ class DiffusersEditModule(LightningModule):
         guidance_scale: float = 3.5,
         gradient_checkpointing: bool = False,
         noise_seed: int = 0,
+        lora: bool = False,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+        lora_target_modules: list[str] | None = None,
+        lora_dropout: float = 0.0,
+        val_sigmas: tuple[float, ...] = DEFAULT_VAL_SIGMAS,
         mask_outside_weight: float = 0.1,
     ) -> None:
         super().__init__()
@@ -128,6 +152,10 @@ class DiffusersEditModule(LightningModule):
         self.guidance_scale = guidance_scale
         self.gradient_checkpointing = gradient_checkpointing
         self.noise_seed = noise_seed
+        self.lora: LoraSettings | None = (
+            resolve_lora(self.default_lora, lora_rank, lora_alpha, lora_target_modules, lora_dropout) if lora else None
+        )
+        self.val_sigmas = check_val_sigmas(val_sigmas)
         self.mask_outside_weight = checked_outside_weight(mask_outside_weight)
         self.transformer: Any = None
 
@@ -136,15 +164,23 @@ class DiffusersEditModule(LightningModule):
         if self.transformer is not None:
             return
         cls = self.transformer_class
-        if self.model_path is not None:
-            path, subfolder = model_directory(self.model_path)
-            self.transformer = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True)
-        else:
-            self.transformer = cls.from_config(self.transformer_config)
-        # Parameters that cannot reach the loss would stall DDP's gradient reduction and be missing from
-        # FSDP2's optimizer checkpoints; freezing them changes nothing else (they never get a gradient).
-        for parameter in self.unreachable_parameters():
-            parameter.requires_grad_(False)
+        # A LoRA checkpoint holds only the adapter, so random weights (model_config, the adapter's start) must be
+        # drawn the same way in every run and on every rank.
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.noise_seed)
+            if self.model_path is not None:
+                path, subfolder = model_directory(self.model_path)
+                self.transformer = cls.from_pretrained(path, subfolder=subfolder, local_files_only=True)
+            else:
+                self.transformer = cls.from_config(self.transformer_config)
+            unreachable = self.unreachable_parameters()
+            # Parameters that cannot reach the loss would stall DDP's gradient reduction and be missing from
+            # FSDP2's optimizer checkpoints; freezing them changes nothing else (they never get a gradient).
+            for parameter in unreachable:
+                parameter.requires_grad_(False)
+            if self.lora is not None:
+                self.lora = add_lora(self.transformer, self.lora, unreachable)
         if self.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
         if self.device_mesh is not None:  # ModelParallelStrategy: shard here, as it expects
@@ -179,13 +215,10 @@ class DiffusersEditModule(LightningModule):
 
     def flow_loss(self, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
         """Velocity MSE on the target tokens at sampled noise levels; `generator` draws noise and `sigma`."""
-        dtype = self.weight_dtype
-        x0 = batch["image_latents"].to(self.device, torch.float32)
-        contexts = [c.to(self.device, dtype) for c in batch["context_latents"]]
-        grids = packed_grids(x0, contexts)
+        x0 = batch["image_latents"]
         sigmas = sample_sigmas(
             x0.shape[0],
-            grids[0][0] * grids[0][1],
+            (x0.shape[-2] // 2) * (x0.shape[-1] // 2),
             generator,
             self.timestep_sampling,
             self.logit_mean,
@@ -193,6 +226,14 @@ class DiffusersEditModule(LightningModule):
             self.shift,
         )
         noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=torch.float32)
+        return self.velocity_loss(batch, sigmas, noise)
+
+    def velocity_loss(self, batch: dict[str, Any], sigmas: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Velocity MSE on the target tokens for noise levels `sigmas` `[B]` and `noise` shaped like the targets."""
+        dtype = self.weight_dtype
+        x0 = batch["image_latents"].to(self.device, torch.float32)
+        contexts = [c.to(self.device, dtype) for c in batch["context_latents"]]
+        grids = packed_grids(x0, contexts)
         noise = noise.to(self.device)
         s = sigmas.to(self.device)[:, None, None, None]
         noisy = pack_latents(((1 - s) * x0 + s * noise).to(dtype))
@@ -227,11 +268,53 @@ class DiffusersEditModule(LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        """Flow loss with noise and times fixed by `noise_seed` and the batch index; logs `val/loss`."""
-        generator = step_generator(self.device, self.noise_seed, -1, batch_idx)
-        loss = self.flow_loss(batch, generator)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["image_latents"].shape[0])
-        return loss
+        """Flow loss at every `val_sigmas` level, noise fixed per sample; logs `val/loss` and `val/loss_at_{sigma}`.
+
+        The noise of a sample depends only on `noise_seed` and its index in the cache, not on the batch it lands
+        in, so the curve compares across runs, resumes, batch sizes and numbers of ranks.
+        """
+        size = batch["image_latents"].shape[0]
+        noise = fixed_noise(batch["image_latents"].shape[1:], batch["metadata"]["sample_indices"], self.noise_seed)
+        losses = []
+        for sigma in self.val_sigmas:
+            loss = self.velocity_loss(batch, torch.full((size,), sigma), noise)
+            self.log(f"val/loss_at_{sigma:g}", loss, sync_dist=True, batch_size=size)
+            losses.append(loss)
+        mean = torch.stack(losses).mean()
+        self.log("val/loss", mean, prog_bar=True, sync_dist=True, batch_size=size)
+        return mean
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Every weight, or in LoRA mode only the adapter's: checkpoints then hold megabytes, not the base model."""
+        state = super().state_dict(*args, **kwargs)
+        if self.lora is None:
+            return state
+        prefix = kwargs.get("prefix", "")
+        trainable = {prefix + name for name, p in self.named_parameters() if p.requires_grad}
+        for key in [k for k in state if k.startswith(prefix) and k not in trainable]:
+            del state[key]
+        return state
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load weights; in LoRA mode exactly the adapter's, refusing a state of another adapter or a full model."""
+        if self.lora is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        expected, given = set(self.state_dict()), set(state_dict)
+        if expected != given:
+            missing, unexpected = sorted(expected - given), sorted(given - expected)
+            raise ValueError(
+                f"{type(self).__name__}: the state does not match this LoRA adapter (rank {self.lora.rank}, "
+                f"targets {list(self.lora.target_modules)}): {len(missing)} adapter weights missing {missing[:3]}, "
+                f"{len(unexpected)} unexpected {unexpected[:3]}"
+            )
+        return super().load_state_dict(state_dict, strict=False, assign=assign)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """In LoRA mode, record the adapter's settings, so it can be exported from the checkpoint alone."""
+        from image_edit_data.examples.lora_export import CHECKPOINT_KEY, model_name
+
+        if self.lora is not None:
+            checkpoint[CHECKPOINT_KEY] = {"model": model_name(self), "config": self.lora.metadata()}
 
     def configure_optimizers(self) -> Any:
         """AdamW over the transformer, with a linear warmup stepped per optimizer step when `warmup_steps > 0`."""
