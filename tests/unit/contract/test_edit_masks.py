@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 from support.builds import DEMO_SPECS, drawing, png_bytes, write_lines, write_parquet
+from support.manifests import KEEP, band, build, masked_manifest
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
 from image_edit_data.build.cli import cache_main
 from image_edit_data.build.encoders.base import PromptEncoding
-from image_edit_data.build.run.build import BuildOptions, build_cache
 from image_edit_data.build.run.encode import encode_window, prepare
 from image_edit_data.build.run.mask import latent_mask
 from image_edit_data.build.run.resize import ResizePolicy
@@ -25,15 +25,10 @@ from image_edit_data.contract.validate import CacheFormatError
 from image_edit_data.index.store import open_index
 
 # Raw images are 32x32 and kept: demo latents are [4, 4, 4], one latent cell per 8x8 pixels.
-KEEP = ResizePolicy("none", spatial_alignment=16)
+
 LEFT_QUARTER = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 4)  # what a mask white over its left 8 columns becomes
 
 
-def band(size: tuple[int, int], left: int, right: int) -> Image.Image:
-    """A black mask, white (edited) over columns [left, right)."""
-    mask = Image.new("L", size, 0)
-    mask.paste(255, (left, 0, right, size[1]))
-    return mask
 
 
 def test_a_mask_averages_its_pixels_over_each_latent_cell() -> None:
@@ -52,27 +47,8 @@ def test_a_mask_follows_the_targets_centre_crop() -> None:
     assert torch.equal(latent_mask(band((64, 32), 16, 24), presets, 8), LEFT_QUARTER)
 
 
-def masked_manifest(root: Path, masked: tuple[int, ...] = (0, 1), rows: int = 4) -> Path:
-    """`rows` one-context edits of 32x32 images; rows in `masked` carry a mask white over the left 8 columns."""
-    (root / "images").mkdir(parents=True, exist_ok=True)
-    band((32, 32), 0, 8).save(root / "images" / "mask.png")
-    lines = []
-    for i in range(rows):
-        drawing((32, 32), i).save(root / "images" / f"{i}_tgt.png")
-        drawing((32, 32), i + 50).save(root / "images" / f"{i}_src.png")
-        media = [
-            {"role": "context", "file_name": f"images/{i}_src.png"},
-            {"role": "target", "file_name": f"images/{i}_tgt.png"},
-        ]
-        if i in masked:
-            media.append({"role": "mask", "file_name": "images/mask.png"})
-        lines.append({"id": f"m{i}", "prompt": f"make the sky red {i}", "media": media})
-    return write_lines(root / "rows.jsonl", lines)
 
 
-def build(manifest: Path, out: Path, **options: Any) -> Any:
-    source = JsonlManifestSource(manifest)
-    return build_cache(out, source, *DEMO_SPECS, BuildOptions(resize=KEEP, num_workers=1, **options))
 
 
 @pytest.fixture(scope="module")

@@ -9,36 +9,18 @@ from typing import Any
 import pytest
 import torch
 from PIL import Image
-from support.builds import DEMO_SPECS, drawing, png_bytes, write_lines, write_parquet
+from support.builds import DEMO_SPECS, drawing, png_bytes, write_parquet
+from support.manifests import KEEP, PROMPTS, build, mixed_manifest
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
 from image_edit_data.build.run.build import BuildOptions, build_cache
-from image_edit_data.build.run.resize import ResizePolicy
 from image_edit_data.build.sources.base import BadSampleError
-from image_edit_data.build.sources.manifest import JsonlManifestSource
 
 # Raw images are drawn at 32x32 and kept (multiples of 16): demo latents are [4, 4, 4].
-KEEP = ResizePolicy("none", spatial_alignment=16)
-PROMPTS = ["a red circle on grey", "make the sky red", "a blue square", "add a cat", "a green triangle"]
 
 
-def mixed_manifest(root: Path, rows: int = 5) -> Path:
-    """Even lines are text-to-image rows (a target only), odd lines edits with one context; all images 32x32."""
-    (root / "images").mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i in range(rows):
-        drawing((32, 32), i).save(root / "images" / f"{i}_tgt.png")
-        media = [{"role": "target", "file_name": f"images/{i}_tgt.png"}]
-        if i % 2:
-            drawing((32, 32), i + 50).save(root / "images" / f"{i}_src.png")
-            media.append({"role": "context", "file_name": f"images/{i}_src.png"})
-        lines.append({"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)], "media": media})
-    return write_lines(root / "rows.jsonl", lines)
 
 
-def build(manifest: Path, out: Path, **options: Any) -> Any:
-    source = JsonlManifestSource(manifest)
-    return build_cache(out, source, *DEMO_SPECS, BuildOptions(resize=KEEP, num_workers=1, **options))
 
 
 def test_a_row_without_context_is_a_bad_sample_unless_the_build_allows_text_to_image_rows(tmp_path: Path) -> None:
