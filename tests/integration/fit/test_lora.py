@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors import safe_open
-from support import SUPPORT
+from support import ROOT, SUPPORT
 from support.diffusers_fit import Recorder
 from support.fits import KillAfterCheckpoint, SimulatedKill
 from support.lora import ARCHS, pipeline_module, random_cache
@@ -272,3 +272,22 @@ def test_two_process_lora_under_ddp_and_fsdp2_trains_alike(tmp_path: Path) -> No
     assert changed and all(is_adapter_name(name) for name in changed), "only the adapter trains"
     for rank in (0, 1):
         assert sums("fsdp2", "params", rank) == pytest.approx(final, rel=1e-4, abs=1e-5), "FSDP2 ends where DDP does"
+
+
+@pytest.mark.parametrize("arch", ["qwen", "kontext"])
+def test_the_shipped_tiny_lora_configs_fit_resume_and_export_through_the_cli(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = {"qwen": "qwen-image-edit", "kontext": "flux-kontext"}[arch]
+    config = ROOT / "configs" / "tiny" / f"fit_{name.replace('-', '_')}_lora_tiny.yaml"
+    monkeypatch.chdir(tmp_path)  # the config writes runs/ under the working directory
+    cache = random_cache(tmp_path / "cache", arch, samples=4)
+    args = ["fit", "--config", str(config), "--data.cache_dir", str(cache), "--trainer.max_steps", "3"]
+    assert main(args) == 0
+    run = tmp_path / "runs" / f"tiny-{name}-lora"
+    assert main([*args[:-1], "5", "--ckpt_path", "last"]) == 0
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 5, "resumed after step 3 and ran to the new max_steps"
+    assert saved["state_dict"] and all(is_adapter_name(key) for key in saved["state_dict"]), "the adapter only"
+    weights, _ = adapter_file(run / "lora" / "last")
+    assert weights and all("lora" in key for key in weights), "exported for load_lora_weights when fit ends"
