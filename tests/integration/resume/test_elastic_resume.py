@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 from support.caches import tiny_cache
-from support.fits import planned, records, run
+from support.fits import FitOptions, fit, planned, records, run
+
+from image_edit_data import ResumeMismatchError
 
 pytestmark = pytest.mark.slow
 EPOCHS = 2
@@ -19,8 +21,9 @@ def test_a_fit_killed_on_two_ranks_finishes_its_epoch_on_one_without_loss_or_rep
     epochs = ["--epochs", str(EPOCHS), "--elastic"]
     killed = run(cache, out, "--devices", "2", "--num-workers", "2", "--kill-at-step", "3", *epochs)
     assert killed.returncode == 17, killed.stderr[-3000:]
-    refused = run(cache, tmp_path / "plain", "--devices", "1", "--ckpt", str(out / "ckpt/step=3.ckpt"))
-    assert refused.returncode != 0 and "world_size: checkpoint 2, now 1" in refused.stderr
+    plain = FitOptions(str(cache), str(tmp_path / "plain"), in_process=True, ckpt=str(out / "ckpt/step=3.ckpt"))
+    with pytest.raises(ResumeMismatchError, match="world_size: checkpoint 2, now 1"):
+        fit(plain)  # without elastic=True, a run on another number of ranks is refused
     resumed = run(cache, out, "--devices", "1", "--ckpt", str(out / "ckpt/step=3.ckpt"), *epochs)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
