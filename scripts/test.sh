@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 ruff check src tests
 mypy
-python -m pytest -q --durations=15 "$@"
+# Two pytest workers, a test file each at a time (module fixtures are built once); TEST_WORKERS=0 runs in one process.
+python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

@@ -3,10 +3,10 @@
 Per rank, the batches trained before the kill followed by those trained after the resume must equal
 an uninterrupted run's batches: nothing skipped, nothing repeated. One-process scenarios run inside
 the test process (the kill is an exception raised right after the checkpoint is written, which unwinds
-through Lightning like a crash); two representative ones are real processes hard-killed with
-`os._exit`: one process with workers at an epoch boundary, and DDP with workers and gradient
-accumulation. Workers changing across a resume run in-process here; test_resume_fuzz.py adds DDP runs
-killed in three ways (after a checkpoint, while writing one, SIGKILL mid-step).
+through Lightning like a crash), workers changing across the resume and gradient accumulation among
+them; one process with workers at an epoch boundary is a real process hard-killed with `os._exit`.
+Real DDP runs with workers, killed in three ways (after a checkpoint, while writing one, SIGKILL
+mid-step), are test_resume_fuzz.py's; a DDP mixture fit killed hard is test_mixture_fit.py's.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ def test_a_run_resumed_after_a_crash_trains_on_the_same_batches_as_an_uninterrup
 HARD_KILLED = [
     # devices, workers before kill, workers after resume, accumulate, kill at optimizer step
     pytest.param(1, 2, 2, 1, 30, id="1proc-nw2-epoch-boundary"),
-    pytest.param(2, 2, 2, 2, 6, id="ddp-nw2-accumulate2"),
 ]
 
 
