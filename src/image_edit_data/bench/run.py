@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -140,6 +141,17 @@ def run_worker_memory(
     return results
 
 
+def _check_warmup(cache_dir: Path, options: BenchOptions) -> None:
+    """Refuse a --warmup of a whole epoch or more before anything is measured (what it opens is freed again)."""
+    batches = len(_loader_config(cache_dir, options, num_workers=0).build(**build_args(options)).sampler)
+    gc.collect()  # the index opened here is gone before the index-open children fork
+    if batches <= options.warmup:
+        raise ValueError(
+            f"{cache_dir}: one epoch has {batches} batches of {options.batch_size}, "
+            f"not more than --warmup {options.warmup}; lower --warmup or --batch-size"
+        )
+
+
 Measure = tuple[tuple[str, int | None], str, Callable[[], Run]]  # (loader, workers), what it times, timing
 
 
@@ -149,16 +161,12 @@ def run_loaders(
     """Index opens, memcpy, then every loader on the same cache (see `command.py`)."""
     results = _results_frame("loaders", options, reference)
     step = _stepper(console, options.wait_load)
+    _check_warmup(cache_dir, options)
     results["index"] = measure_index_opens(cache_dir, reference, step)  # first: children fork from a small process
     with step("measuring memcpy bandwidth"):
         memcpy = results["memcpy"] = memcpy_bandwidth(options.memcpy_mib << 20)
     index = open_index(cache_dir)
     sampler = _loader_config(cache_dir, options, num_workers=0).build(**build_args(options)).sampler
-    if len(sampler) <= options.warmup:
-        raise ValueError(
-            f"{cache_dir}: one epoch has {len(sampler)} batches of {options.batch_size}, "
-            f"not more than --warmup {options.warmup}; lower --warmup or --batch-size"
-        )
     # Ours, the plain DataLoader and the bare loop read these batches: our first epoch, cut to warmup + batches.
     plan = [sampler.batch_for(s).tolist() for s in range(min(len(sampler), options.warmup + options.batches))]
     paths = [str(index.root / index.relative_path(i)) for i in range(len(index))]
