@@ -53,3 +53,10 @@ def s3() -> Iterator[dict[str, Any]]:
     with moto_server() as options:
         make_bucket(options, "bucket")
         yield options
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the files that hold slow tests first: with two workers taking a file at a time, the long
+    multi-process runs then overlap the many short tests instead of ending the run alone."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: each file's tests keep their order
