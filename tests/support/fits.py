@@ -241,5 +241,28 @@ def records(out: Path, devices: int) -> Records:
     return result
 
 
+def cli_fit_config(
+    path: Path, out: Path, data: dict[str, Any], kill_at_step: int | None, monitor: bool = False
+) -> Path:
+    """Write a LightningCLI fit config at `path`: the recording model on one CPU device for 2 epochs, a
+    checkpoint every step (and a kill after step `kill_at_step`), `data` as the DataModule's arguments."""
+    import yaml  # only the LightningCLI tests need it
+
+    checkpoint = {"kill_at_step": kill_at_step, "in_process": True, "dirpath": str(out / "ckpt"), "filename": "{step}"}
+    callbacks: list[dict[str, Any]] = [
+        {
+            "class_path": "support.fits.KillAfterCheckpoint",
+            "init_args": {**checkpoint, "every_n_train_steps": 1, "save_top_k": -1},
+        }
+    ]
+    if monitor:
+        callbacks.append({"class_path": "image_edit_data.lightning.monitor.ImageEditDataMonitor"})
+    trainer = {"accelerator": "cpu", "devices": 1, "max_epochs": 2, "logger": False, "enable_progress_bar": False}
+    trainer |= {"enable_model_summary": False, "default_root_dir": str(out), "callbacks": callbacks}
+    model = {"class_path": "support.fits.RecordingModel", "init_args": {"out": str(out)}}
+    path.write_text(yaml.safe_dump({"trainer": trainer, "model": model, "data": data}))
+    return path
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])

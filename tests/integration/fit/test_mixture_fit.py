@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from support.fits import FitOptions, SimulatedKill, fit, records, run
+from support.fits import FitOptions, SimulatedKill, cli_fit_config, fit, records, run
 from support.manifests import build, masked_manifest, text_to_image_manifest
 from support.trainers import RecordingLogger, TinyModel, quiet_trainer
 
@@ -151,29 +150,8 @@ def test_demo_samples_writes_one_demo_cache_per_local_source(tmp_path: Path) -> 
 
 def cli_config(path: Path, out: Path, sources: list[dict[str, Any]], kill_at_step: int | None) -> Path:
     """A LightningCLI fit config: the recording model and the data monitor over a mixture, 2 workers."""
-    checkpoint = {"kill_at_step": kill_at_step, "in_process": True, "dirpath": str(out / "ckpt"), "filename": "{step}"}
-    config = {
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_epochs": 2,
-            "logger": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "default_root_dir": str(out),
-            "callbacks": [
-                {
-                    "class_path": "support.fits.KillAfterCheckpoint",
-                    "init_args": {**checkpoint, "every_n_train_steps": 1, "save_top_k": -1},
-                },
-                {"class_path": "image_edit_data.lightning.monitor.ImageEditDataMonitor"},
-            ],
-        },
-        "model": {"class_path": "support.fits.RecordingModel", "init_args": {"out": str(out)}},
-        "data": {**EXACT_SHARES, "sources": sources, "batch_size": 2, "num_workers": 2},
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
+    data = {**EXACT_SHARES, "sources": sources, "batch_size": 2, "num_workers": 2}
+    return cli_fit_config(path, out, data, kill_at_step, monitor=True)
 
 
 def test_a_lightning_cli_fit_over_two_local_caches_and_a_masked_one_on_s3_resumes_to_the_same_stream(

@@ -20,11 +20,10 @@ from typing import Any
 import fsspec
 import pytest
 import xxhash
-import yaml
 from fsspec.implementations.local import LocalFileSystem
 from support import SUPPORT
 from support.caches import tiny_cache
-from support.fits import FitOptions, SimulatedKill, fit
+from support.fits import FitOptions, SimulatedKill, cli_fit_config, fit
 from support.packed_copies import drop_checksums
 from support.process_group import run_process_group
 
@@ -315,35 +314,8 @@ def test_a_shard_another_process_is_downloading_is_not_fetched_twice(
 
 def cli_config(path: Path, out: Path, url: str, s3: dict[str, Any], kill_at_step: int | None) -> Path:
     """A LightningCLI fit config: the recording model, 2 workers, the S3 packed cache through the shard cache."""
-    checkpoint = {"kill_at_step": kill_at_step, "in_process": True, "dirpath": str(out / "ckpt"), "filename": "{step}"}
-    config = {
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "max_epochs": 2,
-            "logger": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "default_root_dir": str(out),
-            "callbacks": [
-                {
-                    "class_path": "support.fits.KillAfterCheckpoint",
-                    "init_args": {**checkpoint, "every_n_train_steps": 1, "save_top_k": -1},
-                }
-            ],
-        },
-        "model": {"class_path": "support.fits.RecordingModel", "init_args": {"out": str(out)}},
-        "data": {
-            "cache_dir": url,
-            "batch_size": 2,
-            "num_workers": 2,
-            "storage_options": s3,
-            "remote_read": "shard_cache",
-            "local_cache_dir": str(path.parent / "local"),
-        },
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
+    remote = {"storage_options": s3, "remote_read": "shard_cache", "local_cache_dir": str(path.parent / "local")}
+    return cli_fit_config(path, out, {"cache_dir": url, "batch_size": 2, "num_workers": 2, **remote}, kill_at_step)
 
 
 def test_a_lightning_cli_fit_with_workers_on_s3_killed_after_a_checkpoint_resumes_exactly(
