@@ -10,7 +10,7 @@ from support import ROOT
 PACKAGE = ROOT / "src" / "image_edit_data"
 # Bottom to top; a module may import from its own layer and those below it.
 LAYERS: list[set[str]] = [
-    {"errors", "_atomic"},
+    {"errors", "_atomic", "_process"},
     {"contract"},
     {"index", "payload"},
     {"storage"},

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from .._process import pid_alive
+
 NOT_STARTED, IDLE, LOADING = 0, 1, 2
 PHASE, EPOCH, STEP, SINCE = range(4)
 
@@ -98,7 +100,7 @@ def exit_with(owner: int) -> None:
         handle = os.pidfd_open(owner)
     except (AttributeError, OSError):  # TODO(portability): no pidfd (not Linux >= 5.3): poll instead
         handle = None
-    if handle is None and not _alive(owner):
+    if handle is None and not pid_alive(owner):
         os._exit(1)
     threading.Thread(target=_wait_then_exit, args=(owner, handle), name="owner-watch", daemon=True).start()
 
@@ -107,19 +109,9 @@ def _wait_then_exit(owner: int, handle: int | None) -> None:
     if handle is not None:
         select.select([handle], [], [])  # readable once the owner has exited
     else:
-        while _alive(owner):
+        while pid_alive(owner):
             time.sleep(1.0)
     os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def batch_started(position: tuple[int, int] | None) -> None:

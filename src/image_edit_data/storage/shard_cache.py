@@ -29,22 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
+from .._process import pid_alive
 from ..index.packed import ShardInfo
 from .damaged import DamagedShards, Verdict
 from .remote import RemoteStore
 
 log = logging.getLogger(__name__)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ShardCache:
