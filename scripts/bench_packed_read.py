@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from image_edit_data.loader import ImageEditDataloaderConfig
+from image_edit_data.dataloader_config import ImageEditDataloaderConfig
 
 
 def rate(cache: str, workers: int, batches: int) -> float:

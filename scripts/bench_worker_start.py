@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--starts", nargs="+", default=["fork", "forkserver", "spawn"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from image_edit_data.build.demo_cache import write_demo_cache
+    from image_edit_data.preprocess.demo_cache import write_demo_cache
 
     root = Path(tempfile.mkdtemp(prefix="worker-start-"))
     write_demo_cache(str(root / "cache"), 16, 0)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 extras="${EXTRAS-test,build,remote}"
 python -m pip install --quiet --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
 python -m pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
-# NeMo Automodel's Qwen-Image-Edit preprocessor, which tests/integration/build/test_nemo_equivalence.py runs to compare caches.
+# NeMo Automodel's Qwen-Image-Edit preprocessor, which tests/integration/preprocess/test_nemo_equivalence.py runs to compare caches.
 # --no-deps: importing the preprocessor needs only the build extra, and its own pins would replace our transformers.
 if [[ ",$extras," == *",test,"* ]]; then
   python -m pip install --quiet --disable-pip-version-check --no-deps "nemo-automodel==0.7.0"

@@ -48,7 +48,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, Any]]:
     """moto's S3 server on 127.0.0.1 with an empty bucket "bucket"; its storage options (dummy credentials)."""
-    from image_edit_data.bench.s3_server import make_bucket, moto_server
+    from image_edit_data.bench.local_s3 import make_bucket, moto_server
 
     with moto_server() as options:
         make_bucket(options, "bucket")

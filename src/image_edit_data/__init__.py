@@ -15,13 +15,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import _moved
 from .batch.collate import collate_image_edit
+from .dataloader_config import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
 from .errors import CacheFormatError
-from .loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
-from .mixture import CacheSource, MixtureDataset
+from .mixture_dataset import CacheSource, MixtureDataset
 from .payload.corrupt import TooManyCorruptSamplesError
 from .sampling.sampler import BucketBatchSampler, ResumeMismatchError
+
+_moved.install()
 
 if TYPE_CHECKING:
     from .lightning.datamodule import ImageEditDataModule

@@ -16,13 +16,13 @@ def _lightning(command: str, rest: list[str], from_shell: bool) -> int:
 
 
 def _cache(command: str, rest: list[str], from_shell: bool) -> int:
-    from .build.cli import cache_main
+    from .preprocess.cli import cache_main
 
     return cache_main(rest)
 
 
 def _demo_cache(command: str, rest: list[str], from_shell: bool) -> int:
-    from .build.cli import demo_cache_main
+    from .preprocess.cli import demo_cache_main
 
     return demo_cache_main(rest)
 
@@ -34,7 +34,7 @@ def _bench(command: str, rest: list[str], from_shell: bool) -> int:
 
 
 def _export_lora(command: str, rest: list[str], from_shell: bool) -> int:
-    from .examples.lora_export import export_lora_main
+    from .models.lora_export import export_lora_main
 
     return export_lora_main(rest)
 
@@ -69,7 +69,7 @@ COMMANDS: dict[str, Command] = {
 
 def usage() -> str:
     """The top-level help: every command of `COMMANDS`, and every `cache` subcommand."""
-    from .build.cli import CACHE_COMMANDS
+    from .preprocess.cli import CACHE_COMMANDS
 
     lines = ["usage: image-edit-data COMMAND [options]", "", "commands:"]
     for name, command in COMMANDS.items():

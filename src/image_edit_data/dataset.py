@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ from .contract import validate
 from .contract.batch import Sample, SkippedSample
 from .contract.signature import Signature
 from .index.index import CacheIndex
-from .loading import watch
 from .payload.corrupt import CorruptPolicy, SkipLog
 from .payload.payload import OpenPayload, materialized
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
@@ -78,16 +78,13 @@ class ImageEditDataset(Dataset):
         reports what was dropped and, for batches from our sampler, `position` (epoch and step in
         the epoch plan).
         """
-        step = getattr(indices, "step", None)  # a `PlannedBatch` from our sampler knows its place in the plan
-        position = None if step is None else (int(indices.epoch), int(step))  # type: ignore[attr-defined]
-        watch.batch_started(position)
         opened, skipped = self.open_batch([self.checked_index(i) for i in indices])
         try:
             samples = [sample for sample, _ in opened]
-            return AssembledBatch(collate_image_edit(samples, position=position, skipped=skipped), samples)
+            batch = collate_image_edit(samples, position=plan_position(indices), skipped=skipped)
+            return AssembledBatch(batch, samples)
         finally:
             close_all(opened)
-            watch.batch_finished()
 
     def checked_index(self, idx: int) -> int:
         """`idx` as a non-negative index, or an IndexError."""
@@ -110,34 +107,36 @@ class ImageEditDataset(Dataset):
         sample["sample_index"] = idx
         return sample, payload  # type: ignore[return-value]  # validate.payload builds the Sample keys
 
-    def open_batch(self, indices: list[int]) -> tuple[list[tuple[Sample, OpenPayload]], list[SkippedSample] | None]:
-        """Open a batch's samples under the corrupt-sample policy; also the skipped ones (None under "raise")."""
-        opened: list[tuple[Sample, OpenPayload]] = []
-        # All of the batch's payloads are opened first: a remote reader fetches their bytes concurrently.
+    def open_each(self, indices: list[int]) -> list[Opening]:
+        """Open and check a batch's samples, in order; the batch's reads run concurrently where the reader can.
+
+        A sample that breaks the contract raises under the "raise" policy and is recorded in its
+        place under "skip". Whatever was opened is closed when this raises.
+        """
         payloads: list[Opened | None] = list(self.reader.open_many(indices))
+        results: list[Opening] = []
         try:
-            skipped: list[SkippedSample] = []
             for position, (index, payload) in enumerate(zip(indices, payloads)):
+                payloads[position] = None  # checked_sample owns it now: closes it when it fails
                 try:
-                    if payload is None or isinstance(payload, BaseException):
-                        raise payload or AssertionError("a payload was checked twice")
-                    payloads[position] = None  # checked_sample owns it now: closes it when it fails
-                    opened.append(self.checked_sample(index, payload))
+                    if isinstance(payload, BaseException):
+                        raise payload
+                    results.append(self.checked_sample(index, payload))  # type: ignore[arg-type]
                 except validate.CacheFormatError as error:
                     if self.skips.policy == "raise":
                         raise
-                    skipped.append(self.skips.record(index, error))
-            if self.skips.policy == "raise":
-                return opened, None
-            if not opened:
-                opened.append(self.replacement_for(indices[0], skipped))
-            return opened, skipped
+                    results.append(self.skips.record(index, error))
+            return results
         except BaseException:
-            close_all(opened)
+            close_all(results)
             for payload in payloads:
                 if isinstance(payload, OpenPayload):
                     payload.close()
             raise
+
+    def open_batch(self, indices: list[int]) -> tuple[list[tuple[Sample, OpenPayload]], list[SkippedSample] | None]:
+        """Open a batch's samples under the corrupt-sample policy; also the skipped ones (None under "raise")."""
+        return kept_or_replaced(self.open_each(indices), self.skips.policy, partial(self.replacement_for, indices[0]))
 
     def replacement_for(self, index: int, skipped: list[SkippedSample]) -> tuple[Sample, OpenPayload]:
         """The next loadable sample after `index` in its bucket, so a batch of bad samples still yields one."""
@@ -192,7 +191,36 @@ class ImageEditDatasetConfig:
         return ImageEditDataset(cache_dir=self.cache_dir, quantization=self.quantization)
 
 
-def close_all(opened: list[tuple[Sample, OpenPayload]]) -> None:
-    """Close every opened payload file."""
-    for _, payload in opened:
-        payload.close()
+Opening = tuple[Sample, OpenPayload] | SkippedSample  # one sample of a batch: opened and checked, or skipped
+
+
+def plan_position(indices: list[int]) -> tuple[int, int] | None:
+    """(epoch, step) of a batch from our sampler (a `PlannedBatch` knows its place in the plan), else None."""
+    step = getattr(indices, "step", None)
+    return None if step is None else (int(indices.epoch), int(step))  # type: ignore[attr-defined]
+
+
+def kept_or_replaced(
+    results: list[Opening],
+    policy: CorruptPolicy,
+    replacement: Callable[[list[SkippedSample]], tuple[Sample, OpenPayload]],
+) -> tuple[list[tuple[Sample, OpenPayload]], list[SkippedSample] | None]:
+    """A batch's opened samples and its skipped ones (None under "raise").
+
+    When every sample was skipped, `replacement` opens one good sample (noting further skips in
+    the list it is given), so a batch always holds at least one.
+    """
+    opened = [result for result in results if isinstance(result, tuple)]
+    if policy == "raise":
+        return opened, None
+    skipped: list[SkippedSample] = [result for result in results if not isinstance(result, tuple)]
+    if not opened:
+        opened.append(replacement(skipped))
+    return opened, skipped
+
+
+def close_all(opened: Sequence[Opening]) -> None:
+    """Close every opened payload file among `opened`."""
+    for result in opened:
+        if isinstance(result, tuple):
+            result[1].close()

@@ -10,17 +10,22 @@ from support import ROOT
 PACKAGE = ROOT / "src" / "image_edit_data"
 # Bottom to top; a module may import from its own layer and those below it.
 LAYERS: list[set[str]] = [
-    {"errors", "_atomic", "_process"},
+    {"errors", "_atomic", "_process", "_moved"},
     {"contract"},
     {"index", "payload"},
     {"storage"},
     {"sampling"},
     {"batch"},
-    {"loading"},
-    {"dataset", "mixture", "loader", "__init__"},  # importing the package root gives the data path's public names
-    {"build"},
+    {"workers"},
+    {
+        "dataset",
+        "mixture_dataset",
+        "dataloader_config",
+        "__init__",
+    },  # importing the package root gives the data path's public names
+    {"preprocess"},
     {"lightning"},
-    {"bench", "examples"},
+    {"bench", "models"},
     {"__main__"},
 ]
 LAYER_OF = {part: number for number, parts in enumerate(LAYERS) for part in parts}
@@ -89,6 +94,22 @@ def test_the_check_sees_upward_imports_at_any_depth_but_not_annotation_only_ones
         "    from ...bench import command\n"
         "def later():\n"
         "    from ...lightning.datamodule import ImageEditDataModule\n"
-        "    import image_edit_data.build.cli\n"
+        "    import image_edit_data.preprocess.cli\n"
     )
-    assert imported_parts(module, tmp_path) == {"contract", "lightning", "build"}
+    assert imported_parts(module, tmp_path) == {"contract", "lightning", "preprocess"}
+
+
+def test_the_model_libraries_are_imported_only_by_the_models_and_the_encoders() -> None:
+    allowed = {"peft": ("models",), "diffusers": ("models", "preprocess/encoders"), "transformers": ("preprocess",)}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        for node in runtime_nodes(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            for name in names:
+                library = name.split(".")[0]
+                if library in allowed and not relative.startswith(allowed[library]):
+                    found.append(f"{relative} imports {name}")
+    assert not found, "\n".join(found)

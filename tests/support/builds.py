@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 
-from image_edit_data.build.encoders.demo import DemoImageEncoder
+from image_edit_data.preprocess.encoders.demo import DemoImageEncoder
 from support import TESTS
 
 # Sizes deliberately not aligned: the build resizes them (max_pixels policy) to multiples of 16.
@@ -138,17 +138,20 @@ def tiny_text_model(path: Path) -> Path:
 
 def hf_specs(vae: Path, text: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Encoder specs of the tiny local models."""
-    image = {"class_path": "image_edit_data.build.encoders.hf.DiffusersVAEEncoder", "init_args": {"path": str(vae)}}
+    image = {
+        "class_path": "image_edit_data.preprocess.encoders.hf.DiffusersVAEEncoder",
+        "init_args": {"path": str(vae)},
+    }
     text_spec = {
-        "class_path": "image_edit_data.build.encoders.hf.TransformersTextEncoder",
+        "class_path": "image_edit_data.preprocess.encoders.hf.TransformersTextEncoder",
         "init_args": {"path": str(text), "max_sequence_length": 16},
     }
     return image, text_spec
 
 
 DEMO_SPECS = (
-    {"class_path": "image_edit_data.build.encoders.demo.DemoImageEncoder", "init_args": {"latent_channels": 4}},
-    {"class_path": "image_edit_data.build.encoders.demo.DemoTextEncoder", "init_args": {"dim": 8}},
+    {"class_path": "image_edit_data.preprocess.encoders.demo.DemoImageEncoder", "init_args": {"latent_channels": 4}},
+    {"class_path": "image_edit_data.preprocess.encoders.demo.DemoTextEncoder", "init_args": {"dim": 8}},
 )
 
 
@@ -182,7 +185,7 @@ class InterruptedImageEncoder(DemoImageEncoder):
 
 def cli_command(*args: str) -> list[str]:
     """`image-edit-data cache ...` run through `cache_main` in a fresh interpreter."""
-    code = "import sys; from image_edit_data.build.cli import cache_main; sys.exit(cache_main(sys.argv[1:]))"
+    code = "import sys; from image_edit_data.preprocess.cli import cache_main; sys.exit(cache_main(sys.argv[1:]))"
     return [sys.executable, "-c", code, *args]
 
 

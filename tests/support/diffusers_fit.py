@@ -23,7 +23,7 @@ import yaml
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from image_edit_data import ImageEditDataModule
-from image_edit_data.examples.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
+from image_edit_data.models.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
 
 if __package__ in (None, ""):  # run as a script, as the tests do: make the `support` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from image_edit_data.examples.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
+from image_edit_data.models.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
 from support.pipelines import CLIP_HIDDEN, QWEN_HIDDEN, T5_HIDDEN, flux_kontext_pipeline, qwen_image_edit_pipeline
 
 LATENT_CHANNELS = 4  # the tiny VAEs' latent channels; the transformers take 2x2 patches of them

@@ -7,9 +7,9 @@ from typing import Any
 
 from PIL import Image
 
-from image_edit_data.build.run.build import BuildOptions, build_cache
-from image_edit_data.build.run.resize import ResizePolicy
-from image_edit_data.build.sources.manifest import JsonlManifestSource
+from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
+from image_edit_data.preprocess.run.resize import ResizePolicy
+from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 
 from .builds import DEMO_SPECS, drawing, write_lines
 

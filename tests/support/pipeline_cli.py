@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from image_edit_data.build.cli import cache_main
+from image_edit_data.preprocess.cli import cache_main
 
 if __package__ in (None, ""):  # run as a script, as the tests do: make the `support` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from image_edit_data.build.cli import cache_main
+from image_edit_data.preprocess.cli import cache_main
 from support.builds import WORDS, drawing, tiny_vae_model, write_lines
 
-QWEN = "image_edit_data.build.encoders.pipelines.QwenImageEditEncoder"
-KONTEXT = "image_edit_data.build.encoders.pipelines.FluxKontextEncoder"
+QWEN = "image_edit_data.preprocess.encoders.pipelines.QwenImageEditEncoder"
+KONTEXT = "image_edit_data.preprocess.encoders.pipelines.FluxKontextEncoder"
 # Raw sizes off the 32-pixel grid; with a 64x64 budget they become 64x32, 32x64, 64x64, 64x32, and 70x50
 # becomes 64x64 in resize mode max_pixels but 64x32 in max_pixels_floor (NeMo's rule).
 SIZES = ((80, 48), (48, 80), (64, 64), (100, 60), (70, 50))

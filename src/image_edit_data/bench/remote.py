@@ -31,9 +31,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..dataloader_config import ImageEditDataloaderConfig
 from ..index.packed import member_checksum
 from ..index.store import open_index
-from ..loader import ImageEditDataloaderConfig
 
 
 @dataclass
@@ -180,7 +180,7 @@ def endpoint(args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     if args.s3_url:
         yield args.s3_url.rstrip("/"), dict(args.storage_options or {})
         return
-    from .s3_server import make_bucket, moto_server
+    from .local_s3 import make_bucket, moto_server
 
     with moto_server() as options:
         make_bucket(options, "bench")
@@ -189,7 +189,7 @@ def endpoint(args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def remote_bench(cache_dir: Path, args: Any, console: Console) -> dict[str, Any]:
     """Pack `cache_dir` locally and into S3, measure every layout, print the table; the numbers as a dict."""
-    from ..build.tools.pack import pack_cache
+    from ..preprocess.tools.pack import pack_cache
 
     scratch = Path(tempfile.mkdtemp(prefix="image-edit-remote-bench-"))
     try:

@@ -15,9 +15,9 @@ from typing import Any
 
 from rich.console import Console
 
+from ..dataloader_config import ImageEditDataloaderConfig
 from ..index.index import CacheIndex
 from ..index.store import open_index
-from ..loader import ImageEditDataloaderConfig
 from ..payload.payload import format_of
 from .index_opens import measure_index_opens
 from .measure import (

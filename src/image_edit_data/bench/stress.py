@@ -117,7 +117,7 @@ def stress_main(argv: list[str]) -> int:
     except Exception as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 2
-    from ..build.demo_cache import write_demo_cache
+    from ..preprocess.demo_cache import write_demo_cache
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="image-edit-data-stress-"))
     cache = root / "cache"

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ..loader import ImageEditDataloaderConfig
+from ..dataloader_config import ImageEditDataloaderConfig
 from .measure import LOADER_NOISE, Step, load_average, private_bytes, shut_down, worker_memory, worker_pids
 from .reference import build_reference
 

@@ -5,7 +5,7 @@ The only subpackage that imports Lightning.
 
 from .cli import lightning_main
 from .datamodule import ImageEditDataModule
-from .loader import LightningLoader
+from .loader_wrapper import LightningLoader
 from .monitor import ImageEditDataMonitor
 
 __all__ = ["ImageEditDataModule", "ImageEditDataMonitor", "LightningLoader", "lightning_main"]

@@ -17,14 +17,14 @@ from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 
-from ..build.demo_cache import write_demo_cache
+from ..dataloader_config import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from ..dataset import ImageEditDataset
 from ..index.index import MANIFEST
-from ..loader import DiffusionDataloaderBuild, ImageEditDataloaderConfig
-from ..mixture import MixtureDataset
+from ..mixture_dataset import MixtureDataset
+from ..preprocess.demo_cache import write_demo_cache
 from ..sampling.resume import restore
 from ..sampling.sampler import BucketBatchSampler, ResumeMismatchError, migrate_state
-from .loader import FailedLoader, LightningLoader
+from .loader_wrapper import FailedLoader, LightningLoader
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Which samples form which batch: a mixture's draw, the pure epoch plan and the resumable bucket batch samplers."""
 
-from .mixture import Mixture
+from .mixture_draw import Mixture
 from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
 from .sampler import BucketBatchSampler, EvalBatchSampler, ResumeMismatchError, check_rank, migrate_state
 

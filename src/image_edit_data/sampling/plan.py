@@ -5,7 +5,7 @@ bucket, so ranks always run the same shapes in lockstep and always have the same
 Within a bucket the (shuffled) samples are padded by cycling until every rank gets the same
 number, dealt round-robin to ranks, and cut into batches.
 
-A mixture (`mixture.py`) draws each epoch's samples first, some of them more than once; the plan
+A mixture (`mixture_draw.py`) draws each epoch's samples first, some of them more than once; the plan
 then deals *entries* (positions in that epoch's draw, each unique) and maps them to sample ids, so
 an elastic re-deal tells a repeated sample's two draws apart.
 """
@@ -14,15 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .mixture import Mixture
-
 BucketOrder = Literal["interleaved", "sequential"]
 Tail = Literal["drop", "short", "pad"]  # short last batch: dropped, kept short, or filled by cycling
+
+
+class EpochDraw(Protocol):
+    """What an epoch draws from each bucket before it is dealt (a mixture's draw: `mixture_draw.Mixture`)."""
+
+    def epoch_members(self, members: Sequence[np.ndarray], seed: int, epoch: int) -> list[np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def plan_epoch(
     history: Sequence[tuple[int, int]] = (),
     shard_of: np.ndarray | None = None,
     shard_window: int = 0,
-    mixture: Mixture | None = None,
+    mixture: EpochDraw | None = None,
 ) -> EpochPlan:
     """The plan every rank follows for `epoch`.
 

@@ -3,7 +3,7 @@
 State is `{"version", "epoch", "consumed", "history", "fingerprint"}`, identical on every rank
 (Lightning restores rank 0's copy everywhere). `consumed` counts the batches of this epoch handed
 to the *consumer* (the training loop), including those of earlier world sizes listed in `history`.
-Behind our loader (`loading/resumable.py`) the loader reports each batch as it hands it over, so
+Behind our loader (`workers/resumable_loader.py`) the loader reports each batch as it hands it over, so
 batches that workers merely prefetched are never counted and `state_dict()` is exact at any time;
 a sampler iterated by anything else counts a batch when it hands it out. A new iteration starts
 at `consumed`: batches prefetched by an abandoned pass are handed out again, never skipped.
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .mixture import Mixture
+from .mixture_draw import Mixture
 from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
 
 STATE_VERSION = 1

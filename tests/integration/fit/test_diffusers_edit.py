@@ -21,8 +21,8 @@ from support.process_group import run_process_group
 
 from image_edit_data import ImageEditDataModule
 from image_edit_data.__main__ import main
-from image_edit_data.examples.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
-from image_edit_data.examples.diffusers_inputs import (
+from image_edit_data.models.diffusers_edit import DiffusersEditModule, FluxKontextModule, QwenImageEditModule
+from image_edit_data.models.diffusers_inputs import (
     ResolutionShift,
     kontext_image_ids,
     pack_latents,

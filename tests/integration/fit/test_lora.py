@@ -24,10 +24,10 @@ from support.process_group import run_process_group
 
 from image_edit_data import ImageEditDataModule
 from image_edit_data.__main__ import main
-from image_edit_data.examples.diffusers_edit import QwenImageEditModule
-from image_edit_data.examples.diffusers_inputs import step_generator
-from image_edit_data.examples.lora import WEIGHT_NAME, LoraSettings, is_adapter_name
-from image_edit_data.examples.lora_export import LoraExport, export_checkpoint, export_module
+from image_edit_data.models.diffusers_edit import QwenImageEditModule
+from image_edit_data.models.diffusers_inputs import step_generator
+from image_edit_data.models.lora import WEIGHT_NAME, LoraSettings, is_adapter_name
+from image_edit_data.models.lora_export import LoraExport, export_checkpoint, export_module
 
 HARNESS = SUPPORT / "diffusers_fit.py"
 

@@ -22,8 +22,8 @@ from support.pipelines import QWEN
 
 from image_edit_data import ImageEditDataset
 from image_edit_data.__main__ import main
-from image_edit_data.build.cli import cache_main
-from image_edit_data.examples.diffusers_inputs import pack_latents
+from image_edit_data.models.diffusers_inputs import pack_latents
+from image_edit_data.preprocess.cli import cache_main
 
 PROMPT = "make the sky red"
 STEPS = 150  # enough for the rank-8 adapter to learn the one sample (measured: 3.5x closer than the base)
@@ -65,7 +65,7 @@ def test_a_lora_trained_on_a_pipeline_built_cache_makes_the_pipeline_edit_toward
         "--model.init_args.model_path", str(base), "--model.init_args.model_config", "null",
         "--data.cache_dir", str(cache), "--data.val_cache_dir", str(cache), "--trainer.max_steps", str(STEPS),
         "--trainer.limit_val_batches", "0",
-        "--trainer.callbacks+=image_edit_data.examples.validation_edits.ValidationEdits",
+        "--trainer.callbacks+=image_edit_data.models.validation_edits.ValidationEdits",
         "--trainer.callbacks.every_n_train_steps", str(STEPS), "--trainer.callbacks.num_inference_steps", "8",
     ]  # fmt: skip
     assert main(fit) == 0

@@ -24,9 +24,9 @@ from support.trainers import RecordingLogger, TinyModel, quiet_trainer
 import image_edit_data.lightning.monitor as monitor_module
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataModule, ImageEditDataset, ResumeMismatchError
 from image_edit_data.__main__ import main
-from image_edit_data.build.cli import cache_main
 from image_edit_data.contract import EDIT_MASK
 from image_edit_data.lightning.monitor import ImageEditDataMonitor
+from image_edit_data.preprocess.cli import cache_main
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
 WEIGHTS = (3.0, 1.0, 1.0)

@@ -28,11 +28,11 @@ from support.packed_copies import drop_checksums
 from support.process_group import run_process_group
 
 from image_edit_data.__main__ import main
-from image_edit_data.build.cli import cache_main
-from image_edit_data.build.tools.pack import pack_cache
+from image_edit_data.dataloader_config import ImageEditDataloaderConfig
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.errors import CacheFormatError
-from image_edit_data.loader import ImageEditDataloaderConfig
+from image_edit_data.preprocess.cli import cache_main
+from image_edit_data.preprocess.tools.pack import pack_cache
 from image_edit_data.storage.location import CacheLocation
 from image_edit_data.storage.remote import RemoteError, RemoteStore, RetryPolicy
 from image_edit_data.storage.shard_cache import ShardCache

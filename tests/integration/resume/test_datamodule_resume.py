@@ -23,10 +23,6 @@ from image_edit_data import ResumeMismatchError
 HARNESS = SUPPORT / "fits.py"
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def baseline_one_process(cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Records:
     """An uninterrupted 3-epoch run; the data order does not depend on workers or accumulation."""

@@ -35,8 +35,6 @@ def config(cache_dir: Path, num_workers: int) -> ImageEditDataloaderConfig:
     return ImageEditDataloaderConfig(cache_dir=str(cache_dir), num_workers=num_workers, prefetch_factor=PREFETCH)
 
 
-
-
 @cache
 def baseline(cache_dir: Path, rank: int, world: int, epochs: int = 5) -> tuple[list[list[int]], ...]:
     """Each epoch's batches of one uninterrupted run (in-process; workers give the same batches)."""
@@ -48,20 +46,8 @@ def baseline(cache_dir: Path, rank: int, world: int, epochs: int = 5) -> tuple[l
     return tuple(out)
 
 
-
-
-
-
 # How a training loop restores: the loader's state (our README), the sampler's alone, or NeMo Automodel's
 # recipe, which saves every stateful object it tracks and loads the loader's state, then the sampler's.
-
-
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize("cut", CUTS)

@@ -13,22 +13,20 @@ from support.builds import DEMO_SPECS, drawing, png_bytes, write_lines, write_pa
 from support.manifests import KEEP, band, build, masked_manifest
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.build.cli import cache_main
-from image_edit_data.build.encoders.base import PromptEncoding
-from image_edit_data.build.run.encode import encode_window, prepare
-from image_edit_data.build.run.mask import latent_mask
-from image_edit_data.build.run.resize import ResizePolicy
-from image_edit_data.build.sources.base import BadSampleError
-from image_edit_data.build.sources.manifest import JsonlManifestSource
 from image_edit_data.contract import EDIT_MASK, Signature, validate
 from image_edit_data.contract.validate import CacheFormatError
 from image_edit_data.index.store import open_index
+from image_edit_data.preprocess.cli import cache_main
+from image_edit_data.preprocess.encoders.base import PromptEncoding
+from image_edit_data.preprocess.run.encode import encode_window, prepare
+from image_edit_data.preprocess.run.mask import latent_mask
+from image_edit_data.preprocess.run.resize import ResizePolicy
+from image_edit_data.preprocess.sources.base import BadSampleError
+from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 
 # Raw images are 32x32 and kept: demo latents are [4, 4, 4], one latent cell per 8x8 pixels.
 
 LEFT_QUARTER = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 4)  # what a mask white over its left 8 columns becomes
-
-
 
 
 def test_a_mask_averages_its_pixels_over_each_latent_cell() -> None:
@@ -45,10 +43,6 @@ def test_a_mask_follows_the_targets_centre_crop() -> None:
     # A 64x32 target covers the 32x32 preset as it is and loses 16 columns on each side to the crop.
     assert torch.equal(latent_mask(band((64, 32), 0, 16), presets, 8), torch.zeros(4, 4))
     assert torch.equal(latent_mask(band((64, 32), 16, 24), presets, 8), LEFT_QUARTER)
-
-
-
-
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +185,7 @@ def test_an_index_that_says_masked_for_an_unmasked_payload_is_refused() -> None:
 
 
 def test_a_data_set_mask_column_such_as_magicbrushs_mask_img_is_read(tmp_path: Path) -> None:
-    from image_edit_data.build.sources.hf import HFDatasetSource
+    from image_edit_data.preprocess.sources.hf import HFDatasetSource
 
     def cell(image: Image.Image) -> dict[str, Any]:
         return {"bytes": png_bytes(image), "path": None}
@@ -234,7 +228,7 @@ class PromptsWithAnEditMask:
 
 
 def test_an_encoder_conditioning_tensor_named_edit_mask_is_refused(tmp_path: Path) -> None:
-    from image_edit_data.build.encoders.demo import DemoImageEncoder
+    from image_edit_data.preprocess.encoders.demo import DemoImageEncoder
 
     source = JsonlManifestSource(masked_manifest(tmp_path / "raw", masked=(), rows=1))
     prepared = prepare(source, 0, KEEP, 8)

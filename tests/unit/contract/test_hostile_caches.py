@@ -26,10 +26,10 @@ import torch
 from support.caches import make_payload, write_cache
 
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.build.cli import cache_main
 from image_edit_data.index.index import MAX_MANIFEST_BYTES
 from image_edit_data.index.store import candidate_paths, serialize, store_key
 from image_edit_data.payload.payload import to_safetensors
+from image_edit_data.preprocess.cli import cache_main
 
 SIGNATURE = {"target": [4, 8, 8], "contexts": [[4, 8, 8]]}
 PT = "samples/sample_00000000.pt"

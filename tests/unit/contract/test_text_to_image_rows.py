@@ -13,14 +13,10 @@ from support.builds import DEMO_SPECS, drawing, png_bytes, write_parquet
 from support.manifests import KEEP, PROMPTS, build, mixed_manifest
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.build.run.build import BuildOptions, build_cache
-from image_edit_data.build.sources.base import BadSampleError
+from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
+from image_edit_data.preprocess.sources.base import BadSampleError
 
 # Raw images are drawn at 32x32 and kept (multiples of 16): demo latents are [4, 4, 4].
-
-
-
-
 
 
 def test_a_row_without_context_is_a_bad_sample_unless_the_build_allows_text_to_image_rows(tmp_path: Path) -> None:
@@ -89,7 +85,7 @@ def test_collate_refuses_a_batch_mixing_a_text_to_image_row_and_an_edit(tmp_path
 
 
 def test_a_data_set_row_whose_context_cells_are_all_empty_is_a_text_to_image_row(tmp_path: Path) -> None:
-    from image_edit_data.build.sources.hf import HFDatasetSource
+    from image_edit_data.preprocess.sources.hf import HFDatasetSource
 
     image = {"bytes": png_bytes(drawing((32, 32), 1)), "path": None}
     columns = {
@@ -126,7 +122,7 @@ def test_a_kontext_text_to_image_prompt_is_encoded_as_an_edit_prompt_is(kontext_
 def kontext_encoder(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from support.pipelines import flux_kontext_pipeline
 
-    from image_edit_data.build.encoders.pipelines import FluxKontextEncoder
+    from image_edit_data.preprocess.encoders.pipelines import FluxKontextEncoder
 
     path = flux_kontext_pipeline(tmp_path_factory.mktemp("pipelines") / "flux-kontext")
     return FluxKontextEncoder(str(path), torch_dtype="float32")
@@ -159,7 +155,7 @@ def test_a_qwen_text_to_image_row_is_encoded_with_the_text_to_image_pipelines_te
 
 @pytest.mark.usefixtures("offline")
 def test_a_long_qwen_text_to_image_prompt_is_cut_where_the_pipeline_cuts_and_says_so(qwen_path: Path) -> None:
-    from image_edit_data.build.encoders.pipelines import QwenImageEditEncoder
+    from image_edit_data.preprocess.encoders.pipelines import QwenImageEditEncoder
 
     encoder = QwenImageEditEncoder(str(qwen_path), torch_dtype="float32")
     long_prompt = "a red circle " * 50  # the test tokenizer has one token per byte: 650 prompt tokens

@@ -13,7 +13,7 @@ import yaml
 from support import ROOT
 
 from image_edit_data.__main__ import COMMANDS, main
-from image_edit_data.build.cli import cache_parser
+from image_edit_data.preprocess.cli import cache_parser
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 

@@ -17,7 +17,7 @@ from jsonargparse import ArgumentParser, set_parsing_settings
 from support.fits import RecordingModel
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataModule, ResumeMismatchError
-from image_edit_data.lightning.loader import LightningLoader
+from image_edit_data.lightning.loader_wrapper import LightningLoader
 from image_edit_data.sampling.sampler import BucketBatchSampler
 
 

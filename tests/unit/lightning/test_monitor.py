@@ -90,10 +90,6 @@ class SleepyBatches(Dataset):
         return self.batches[index]
 
 
-
-
-
-
 def fit(
     monitor: ImageEditDataMonitor,
     tmp_path: Any,
@@ -104,8 +100,6 @@ def fit(
 ) -> None:
     loader = DataLoader(SleepyBatches(two_bucket_batches(), loader_delay), batch_size=None)
     quiet_trainer(monitor, tmp_path, logger, epochs).fit(TinyModel(step_delay), train_dataloaders=loader)
-
-
 
 
 def test_each_step_logs_rates_wait_and_bucket_id_under_the_prefix(tmp_path: Any) -> None:

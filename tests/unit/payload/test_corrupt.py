@@ -12,9 +12,9 @@ from support.caches import tiny_cache
 from support.packed_copies import flip_member_byte, sample_in_shard
 
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig
-from image_edit_data.build.tools.pack import pack_cache
 from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.payload.corrupt import TooManyCorruptSamplesError
+from image_edit_data.preprocess.tools.pack import pack_cache
 
 BAD = (2, 7)
 

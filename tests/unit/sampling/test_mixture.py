@@ -19,8 +19,8 @@ from support.caches import make_payload, tiny_cache, write_cache
 from support.loader_cuts import BATCH, PATTERNS, flat, restored_as, resume, run_until_cut
 
 from image_edit_data import CacheSource, ImageEditDataloaderConfig, MixtureDataset, ResumeMismatchError
-from image_edit_data.build.tools.pack import pack_cache
-from image_edit_data.sampling.mixture import Mixture, Passes, draw_counts
+from image_edit_data.preprocess.tools.pack import pack_cache
+from image_edit_data.sampling.mixture_draw import Mixture, Passes, draw_counts
 from image_edit_data.sampling.resume import restore
 from image_edit_data.sampling.sampler import BucketBatchSampler
 

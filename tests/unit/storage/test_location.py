@@ -8,7 +8,7 @@ import pytest
 from support.caches import tiny_cache
 
 from image_edit_data import ImageEditDataset
-from image_edit_data.build.tools.pack import pack_cache
+from image_edit_data.preprocess.tools.pack import pack_cache
 from image_edit_data.storage.location import CacheLocation
 from image_edit_data.storage.reader import LocalFilesReader, LocalPackedReader
 

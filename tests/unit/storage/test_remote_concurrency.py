@@ -1,4 +1,4 @@
-"""A batch of a remote cache is fetched with concurrent requests, not one request after another."""
+"""A batch of a remote cache, alone or in a mixture, is fetched with concurrent requests, not one after another."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import fsspec
 import pytest
 from support.caches import tiny_cache
 
-from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset
-from image_edit_data.build.cli import cache_main
+from image_edit_data import CacheSource, ImageEditDataloaderConfig, ImageEditDataset
+from image_edit_data.preprocess.cli import cache_main
 from image_edit_data.storage.remote import RemoteStore
 
 
@@ -70,3 +70,22 @@ def test_a_batch_of_a_remote_cache_is_fetched_with_concurrent_requests(
     assert remote == [batch["metadata"]["sample_indices"] for batch in local.dataloader]  # the same samples
     assert flight.most == 4  # each batch's four members were requested at once
     assert ImageEditDataset(url, **options)[3]["metadata"] == ImageEditDataset(source)[3]["metadata"]
+
+
+def test_a_remote_source_of_a_mixture_fetches_its_share_of_a_batch_concurrently(
+    s3: dict[str, Any], source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = "s3://bucket/concurrent-mixture"
+    argv = ["pack", str(source), url, "--shard-bytes", "8192", "--staging-dir", str(tmp_path / "staging")]
+    assert cache_main([*argv, "--storage-options", json.dumps(s3)]) == 0
+    flight = InFlight()
+    monkeypatch.setattr(RemoteStore, "read_range", flight.around(RemoteStore.read_range))
+    sources = [CacheSource(url, name="remote"), CacheSource(str(source), name="local")]
+    options = {"storage_options": s3, "local_cache_dir": str(tmp_path / "local")}
+    built = ImageEditDataloaderConfig(sources=sources, num_workers=0, **options).build(
+        dp_rank=0, dp_world_size=1, batch_size=4
+    )
+    batches = list(built.dataloader)
+    most_remote = max(batch["metadata"]["sources"].count("remote") for batch in batches)
+    assert most_remote >= 2, "the plan must put several remote samples in one batch for this test to mean anything"
+    assert flight.most == most_remote  # a batch's remote members were requested at once, not one by one

@@ -1,0 +1,99 @@
+"""A real S3 endpoint on this machine: moto's server on 127.0.0.1, with dummy credentials.
+
+Not a test fixture: the shipped `image-edit-data bench CACHE --remote` starts it when no `--s3-url`
+names a real endpoint, so the remote read path can be measured on any machine, with no account and
+no network. The tests start the same server. Needs `moto[server]` (the `test` extra).
+
+Nothing talks to any other host: the endpoint is explicit, instance-metadata lookups are off,
+and waiting for the server to come up is a bounded loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+ENVIRONMENT = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "NO_PROXY": "127.0.0.1",
+}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """In the server's process: ask Linux for SIGTERM when the parent dies, so a killed test leaves no server."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def moto_server(timeout: float = 30.0) -> Iterator[dict[str, Any]]:
+    """Run moto's S3 server; yield the fsspec storage options that reach it (and set the dummy environment)."""
+    port = free_port()
+    saved = {name: os.environ.get(name) for name in ENVIRONMENT}
+    os.environ.update(ENVIRONMENT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **ENVIRONMENT},
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moto server on 127.0.0.1:{port} did not start (exit code {process.poll()})")
+            time.sleep(0.1)
+        endpoint = f"http://127.0.0.1:{port}"
+        yield {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def make_bucket(options: dict[str, Any], bucket: str) -> None:
+    """Create `bucket` on the endpoint."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        aws_access_key_id=options["key"],
+        aws_secret_access_key=options["secret"],
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=bucket)

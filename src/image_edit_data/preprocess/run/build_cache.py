@@ -1,0 +1,285 @@
+"""Build a cache: read a source by position, resize, encode in same-size batches, write payloads, merge.
+
+Rank `r` of `w` owns source positions `r, r + w, r + 2w, ...` below the row limit. It walks its slice
+in fixed windows of `batch_size * WINDOW_BATCHES` positions, so a rerun forms the same batches as an
+uninterrupted run. A window's payloads are written first, then its journal lines (see `journal.py`);
+positions already journaled are not encoded again. Rank 0 then waits until all positions are
+journaled and merges the index (`merge.py`); `merge_only` does only that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ...payload.payload import PayloadFormat
+from ..encoders.base import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
+from ..sources.base import BadSampleError, EditSource, row_index_of
+from .encode import Prepared, encode_window, prepare
+from .journal import Journal, JournalReader, claim, clear_failure, write_failure
+from .merge import MergeReport, merge_index, wait_for_journals
+from .resize import ResizePolicy
+from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
+
+WINDOW_BATCHES = 4
+# Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
+# as left over from an earlier launch (each rank also deletes its own marker when it starts).
+FAILURE_GRACE = 60.0
+EncoderSpec = Mapping[str, Any]  # {"class_path": "package.module.Class", "init_args": {...}}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Settings of a build. Those above `on_bad_sample` fix the cache contents, so a resumed build must
+    repeat them; the rest may change between runs."""
+
+    payload_format: PayloadFormat = "pt"
+    """`pt` (NeMo's torch.save layout) or `safetensors` (ours)."""
+    resize: ResizePolicy = field(default_factory=ResizePolicy)
+    """How images get their encoder-ready size."""
+    token_patch_size: int = 2
+    """Latent cells per side of one transformer token, for the stored token counts."""
+    store_dtype: StoreDtype = "float32"
+    """Dtype of stored latents and embeddings (the reference stores bfloat16)."""
+    shard_size: int = 10_000
+    """Index records per shard file."""
+    num_samples: int | None = None
+    """Encode only the first this many source positions."""
+    allow_no_context: bool = False
+    """Write examples without context images as text-to-image rows (otherwise each is a bad sample)."""
+    on_bad_sample: Literal["stop", "skip"] = "stop"
+    """Stop at the first bad raw example, or skip it and count it."""
+    batch_size: int = 8
+    """Images (of one size) or prompts per encoder call."""
+    num_workers: int = 4
+    """Threads that read and resize images and write payloads."""
+    merge_timeout: float = 3600.0
+    """Seconds rank 0 waits for the other ranks before giving up on merging."""
+    poll_interval: float = 2.0
+    """Seconds between rank 0's checks of the other ranks' journals."""
+
+    def check(self) -> None:
+        """Refuse impossible values, naming the option."""
+        for name in ("token_patch_size", "shard_size", "batch_size", "num_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.num_samples is not None and self.num_samples < 0:
+            raise ValueError(f"num_samples: expected a count >= 0, got {self.num_samples}")
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What one rank did."""
+
+    root: Path
+    rank: int
+    world_size: int
+    assigned: int  # positions in this rank's slice
+    already_done: int  # of those, journaled by an earlier run
+    written: int  # payloads written by this run
+    skipped: Mapping[str, int]  # bad samples skipped by this run, by reason
+    seconds: float
+    merged: MergeReport | None  # set on the rank that merged
+    merge_only: bool = False  # nothing was encoded by request
+    truncated: int = 0  # payloads written by this run whose prompt a length limit cut (each warned)
+
+
+def instantiate(spec: EncoderSpec, protocol: type | tuple[type, ...], name: str) -> Any:
+    """Build an encoder from `{"class_path", "init_args"}` and check it has the methods of (one of) the protocols."""
+    class_path = spec.get("class_path")
+    if not isinstance(class_path, str) or "." not in class_path:
+        raise ValueError(
+            f"{name}.class_path: expected a dotted import path like package.module.Class, got {class_path!r}"
+        )
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{name}.class_path: cannot import {class_path!r} ({error})") from None
+    encoder = cls(**dict(spec.get("init_args") or {}))
+    if not isinstance(encoder, protocol):
+        names = " or ".join(p.__name__ for p in (protocol if isinstance(protocol, tuple) else (protocol,)))
+        raise TypeError(f"{name}: {class_path} does not implement {names} (see preprocess/encoders/base.py)")
+    return encoder
+
+
+def settings_of(source: EditSource, image: EncoderSpec, text: EncoderSpec, options: BuildOptions) -> dict[str, Any]:
+    """Everything that fixes the cache contents; a resumed build must match it exactly."""
+    # Only when set, so builds started before the option existed resume, and their metadata.json stays as it was.
+    rows = {"allow_no_context": True} if options.allow_no_context else {}
+    return {
+        **rows,
+        "source": source.describe(),
+        "row_limit": options.num_samples,
+        "format": options.payload_format,
+        "preprocessing_config": {
+            "image_encoder": {"class_path": image["class_path"], "init_args": dict(image.get("init_args") or {})},
+            "text_encoder": {"class_path": text["class_path"], "init_args": dict(text.get("init_args") or {})},
+            "resize": options.resize.to_json(),
+            "token_patch_size": options.token_patch_size,
+            "store_dtype": options.store_dtype,
+            "shard_size": options.shard_size,
+        },
+    }
+
+
+def build_cache(
+    out_dir: str | Path,
+    source: EditSource,
+    image_encoder: EncoderSpec,
+    text_encoder: EncoderSpec,
+    options: BuildOptions | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    merge_only: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> BuildReport:
+    """Encode this rank's slice of `source` into `out_dir`, then (rank 0) merge the index.
+
+    `on_progress(done, total)` follows this rank's slice; `log` receives short notes (resume, waiting).
+    Raises `BadSampleError` at the first bad example when `on_bad_sample` is `stop`.
+    """
+    options = options or BuildOptions()
+    options.check()
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}), got {rank}")
+    say = log or (lambda message: None)
+    started, wall_start = time.monotonic(), time.time()
+    root = Path(out_dir).expanduser().resolve()
+    settings = settings_of(source, image_encoder, text_encoder, options)
+    if claim(root, settings):
+        say(f"resuming the build in {root}")
+    rows = len(source) if options.num_samples is None else min(options.num_samples, len(source))
+    mine = list(range(rank, rows, world_size))
+    done, written, skipped, truncated = 0, 0, Counter[str](), 0
+    if not merge_only:
+        clear_failure(root, rank)
+        if remove_stale_temporaries(root, {row_index_of(source, p) for p in mine}):
+            say("removed temporary files left by an interrupted run")
+        try:
+            done, written, skipped, truncated = _encode_slice(
+                root, rank, source, mine, (image_encoder, text_encoder), options, on_progress, say
+            )
+        except BaseException as error:
+            write_failure(root, rank, f"{type(error).__name__}: {error}")
+            raise
+    merged = None
+    if rank == 0:
+        entries = wait_for_journals(
+            root,
+            rows,
+            since=wall_start - FAILURE_GRACE,
+            timeout=options.merge_timeout,
+            poll_interval=options.poll_interval,
+            log=say,
+        )
+        provenance = {
+            "dataset_name": settings["source"].get("path"),
+            "split": settings["source"].get("split"),
+            **settings,
+        }
+        merged = merge_index(root, entries, rows, options.shard_size, provenance)
+    seconds = time.monotonic() - started
+    return BuildReport(
+        root, rank, world_size, len(mine), done, written, dict(skipped), seconds, merged, merge_only, truncated
+    )
+
+
+def _encode_slice(
+    root: Path,
+    rank: int,
+    source: EditSource,
+    mine: list[int],
+    specs: tuple[EncoderSpec, EncoderSpec],
+    options: BuildOptions,
+    on_progress: Callable[[int, int], None] | None,
+    say: Callable[[str], None],
+) -> tuple[int, int, Counter[str], int]:
+    """Encode the positions of `mine` no journal has yet; returns (already done, written, skipped by reason,
+    truncated prompts)."""
+    entries = JournalReader(root).refresh()
+    redo = {
+        p for p in mine if "record" in entries.get(p, {}) and not (root / entries[p]["record"]["cache_file"]).is_file()
+    }
+    if redo:
+        say(f"{len(redo)} journaled payloads are missing on disk and will be encoded again")
+    todo = {p for p in mine if p not in entries or p in redo}
+    already = len(mine) - len(todo)
+    progress = on_progress or (lambda done, total: None)
+    progress(already, len(mine))
+    skipped: Counter[str] = Counter()
+    if not todo:
+        return already, 0, skipped, 0
+    image_encoder: ImageEncoder = instantiate(specs[0], ImageEncoder, "image_encoder")
+    text_encoder: TextEncoder | PromptEncoder
+    if specs[1] == specs[0] and isinstance(image_encoder, PromptEncoder):
+        text_encoder = image_encoder  # one pipeline encoder for both sides, loaded once
+    else:
+        text_encoder = instantiate(specs[1], (PromptEncoder, TextEncoder), "text_encoder")
+    factor = int(image_encoder.spatial_factor)
+    options.resize.check(factor)
+    window_size = options.batch_size * WINDOW_BATCHES
+    journal = Journal(root, rank)
+    finished, written, truncated = already, 0, 0
+    try:
+        with ThreadPoolExecutor(options.num_workers) as pool:
+            for start in range(0, len(mine), window_size):
+                window = [p for p in mine[start : start + window_size] if p in todo]
+                if not window:
+                    continue
+                loaded = list(
+                    pool.map(lambda p: prepare(source, p, options.resize, factor, options.allow_no_context), window)
+                )
+                bad = [item for item in loaded if isinstance(item, BadSampleError)]
+                if bad and options.on_bad_sample == "stop":
+                    raise bad[0]
+                good = [item for item in loaded if isinstance(item, Prepared)]
+                encoded = encode_window(good, image_encoder, text_encoder, options.batch_size, factor)
+                for sample in encoded:
+                    if sample.prompt_truncations:
+                        truncated += 1
+                        warn_truncation(sample, truncated)
+                records = list(
+                    pool.map(
+                        lambda e: write_sample(
+                            root, e, options.payload_format, options.token_patch_size, options.store_dtype
+                        ),
+                        encoded,
+                    )
+                )
+                lines = [{"position": e.source.position, "record": r} for e, r in zip(encoded, records)]
+                for item, position in ((i, p) for i, p in zip(loaded, window) if isinstance(i, BadSampleError)):
+                    skipped[item.kind] += 1
+                    problem = {"location": item.location, "kind": item.kind, "problem": item.problem}
+                    lines.append(
+                        {"position": position, "skipped": {"row_index": row_index_of(source, position), **problem}}
+                    )
+                journal.append(sorted(lines, key=lambda line: line["position"]))
+                finished += len(window)
+                written += len(records)
+                progress(finished, len(mine))
+    finally:
+        journal.close()
+    return already, written, skipped, truncated
+
+
+def warn_truncation(sample: EncodedSample, count: int) -> None:
+    """One `PromptTruncationWarning` for a sample whose prompt was cut; `count` numbers them on this rank."""
+    raw = sample.source.sample
+    cuts = "; ".join(t.describe() for t in sample.prompt_truncations)
+    warnings.warn(
+        PromptTruncationWarning(
+            f"{sample.source.location} (id {raw.sample_id!r}): prompt cut: {cuts}; the dropped tokens are the end "
+            f"of the prompt. Recorded in the payload's metadata.prompt_truncation (prompt {count} cut by this rank)"
+        ),
+        stacklevel=2,
+    )

@@ -1,0 +1,284 @@
+"""`image-edit-data cache build`: its options, the progress bar and the summary it prints."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, Namespace
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from ..encoders.base import ImageEncoder, PipelineEncoder, PromptEncoder, TextEncoder
+from ..sources.base import EditSource
+from ..sources.manifest import JsonlManifestSource
+from .build_cache import BuildOptions, BuildReport, build_cache
+from .resize import ResizePolicy
+
+
+class SpeedColumn(ProgressColumn):
+    """Samples per second of this run."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("-- samples/s" if speed is None else f"{speed:.1f} samples/s", style="progress.data.speed")
+
+
+@contextmanager
+def progress_bar(console: Console, quiet: bool, label: str) -> Iterator[Callable[[int, int], None]]:
+    """An `on_progress(done, total)` callback drawing a rich bar (off when quiet or not a terminal)."""
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        SpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, disable=quiet or not console.is_terminal) as progress:
+        task = progress.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+
+        yield update
+
+
+def add_source_arguments(parser: ArgumentParser) -> None:
+    """Where raw examples come from: a JSONL manifest or a local Hugging Face data set."""
+    group = parser.add_argument_group("source (give --manifest or --dataset)")
+    group.add_argument(
+        "--manifest", type=str | None, default=None, help="JSONL manifest (NeMo generic image-edit form)."
+    )
+    group.add_argument("--dataset", type=str | None, default=None, help="save_to_disk directory or parquet file(s).")
+    group.add_argument("--split", type=str | None, default=None, help="Split of a DatasetDict.")
+    group.add_argument("--target-column", type=str, default="target_img", help="Target image column.")
+    group.add_argument(
+        "--context-columns", type=list[str], default=["source_img"], help="Context columns, e.g. '[a,b]'."
+    )
+    group.add_argument("--prompt-column", type=str, default="instruction", help="Instruction column.")
+    group.add_argument("--id-column", type=str | None, default=None, help="Unique id column (default: row number).")
+    group.add_argument("--metadata-columns", type=list[str], default=[], help="Columns kept as manifest_metadata.")
+    group.add_argument(
+        "--condition-columns", type=list[str], default=[], help="Condition image columns for prompt encoders."
+    )
+    group.add_argument(
+        "--mask-column", type=str | None, default=None, help="Edit-mask image column (white = edited), e.g. mask_img."
+    )
+    group.add_argument("--hf-cache-dir", type=str | None, default=None, help="Where datasets converts parquet files.")
+
+
+def build_parser() -> ArgumentParser:
+    """The `cache build` options."""
+    parser = ArgumentParser(description="Encode raw edit examples into a cache.", exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of these options.")
+    parser.add_argument("out_dir", type=str, help="Cache directory to create or resume.")
+    add_source_arguments(parser)
+    parser.add_argument(
+        "--encoder", type=PipelineEncoder | None, default=None, help="One pipeline for images and prompts."
+    )
+    parser.add_argument("--image-encoder", type=ImageEncoder | None, default=None, help="Class path (+ init args).")
+    parser.add_argument(
+        "--text-encoder", type=TextEncoder | PromptEncoder | None, default=None, help="Class path (+ init args)."
+    )
+    parser.add_argument(
+        "--resize",
+        type=Literal["max_pixels", "max_pixels_floor", "presets", "none"],
+        default="max_pixels",
+        help="Keep aspect within --max-pixels (floor: sides rounded down, as NeMo), pick from --presets, or none.",
+    )
+    parser.add_argument("--max-pixels", type=int, default=1024 * 1024, help="Pixel budget per image.")
+    parser.add_argument("--spatial-alignment", type=int, default=32, help="Image sides are multiples of this.")
+    parser.add_argument("--presets", type=list[tuple[int, int]], default=[], help="(W, H) list, e.g. '[[1024,1024]]'.")
+    parser.add_argument("--upscale", action=ActionYesNo, default=False, help="Enlarge small images to the budget.")
+    parser.add_argument("--format", type=Literal["pt", "safetensors"], default="pt", help="Payload format.")
+    parser.add_argument("--token-patch-size", type=int, default=2, help="Latent cells per token side.")
+    parser.add_argument(
+        "--store-dtype",
+        type=Literal["float32", "bfloat16", "float16"],
+        default="float32",
+        help="Dtype of stored latents and embeddings (the reference stores bfloat16).",
+    )
+    parser.add_argument("--shard-size", type=int, default=10_000, help="Index records per shard.")
+    parser.add_argument("--num-samples", type=int | None, default=None, help="Use only the first N source rows.")
+    parser.add_argument(
+        "--allow-no-context",
+        action=ActionYesNo,
+        default=False,
+        help="Write rows without context images as text-to-image rows (else each is a bad sample).",
+    )
+    parser.add_argument(
+        "--on-bad-sample",
+        type=Literal["stop", "skip"],
+        default="stop",
+        help="Stop at the first bad raw example, or skip it and count it.",
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="Images or prompts per encoder call.")
+    parser.add_argument("--num-workers", type=int, default=4, help="Threads reading images and writing payloads.")
+    parser.add_argument("--rank", type=int | None, default=None, help="This process's rank (default: $RANK or 0).")
+    parser.add_argument("--world-size", type=int | None, default=None, help="Ranks (default: $WORLD_SIZE or 1).")
+    parser.add_argument("--merge-only", action=ActionYesNo, default=False, help="Only merge finished journals.")
+    parser.add_argument("--merge-timeout", type=float, default=3600.0, help="Seconds rank 0 waits for others.")
+    parser.add_argument("--poll-interval", type=float, default=2.0, help="Seconds between rank 0's checks.")
+    parser.add_argument("--quiet", action=ActionYesNo, default=False, help="No progress bar.")
+    return parser
+
+
+def runtime_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Rank and world size from the options, else torchrun's environment, else a single process."""
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    return rank, world_size
+
+
+def select_local_device() -> None:
+    """Under torchrun, make `cuda` mean this process's GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def open_source(args: Namespace) -> EditSource:
+    """The source the options name."""
+    if (args.manifest is None) == (args.dataset is None):
+        raise ValueError("source: give exactly one of --manifest PATH.jsonl or --dataset PATH")
+    if args.manifest is not None:
+        return JsonlManifestSource(args.manifest)
+    from ..sources.hf import HFDatasetSource
+
+    if args.quiet:
+        import datasets
+
+        datasets.disable_progress_bars()
+    return HFDatasetSource(
+        args.dataset,
+        target_column=args.target_column,
+        context_columns=args.context_columns,
+        prompt_column=args.prompt_column,
+        id_column=args.id_column,
+        split=args.split,
+        metadata_columns=args.metadata_columns,
+        hf_cache_dir=args.hf_cache_dir,
+        condition_columns=args.condition_columns,
+        mask_column=args.mask_column,
+    )
+
+
+def spec(value: Any) -> dict[str, Any]:
+    """A parsed class_path/init_args namespace as a plain dict."""
+    data = value.as_dict() if isinstance(value, Namespace) else dict(value)
+    return {"class_path": data["class_path"], "init_args": dict(data.get("init_args") or {})}
+
+
+def encoder_specs(args: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The image and text encoder specs: `--encoder` for both, or `--image-encoder` and `--text-encoder`."""
+    if args.encoder is not None:
+        if args.image_encoder is not None or args.text_encoder is not None:
+            raise ValueError("encoder: give either --encoder or --image-encoder with --text-encoder, not both")
+        return spec(args.encoder), spec(args.encoder)
+    if args.image_encoder is None or args.text_encoder is None:
+        raise ValueError("encoder: give --encoder (a pipeline encoder), or both --image-encoder and --text-encoder")
+    return spec(args.image_encoder), spec(args.text_encoder)
+
+
+def run_build(args: Namespace, console: Console) -> int:
+    """`cache build`."""
+    rank, world_size = runtime_rank(args.rank, args.world_size)
+    image_spec, text_spec = encoder_specs(args)
+    options = BuildOptions(
+        payload_format=args.format,
+        resize=ResizePolicy(
+            args.resize, args.max_pixels, args.spatial_alignment, tuple(map(tuple, args.presets)), args.upscale
+        ),
+        token_patch_size=args.token_patch_size,
+        store_dtype=args.store_dtype,
+        shard_size=args.shard_size,
+        num_samples=args.num_samples,
+        allow_no_context=args.allow_no_context,
+        on_bad_sample=args.on_bad_sample,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        merge_timeout=args.merge_timeout,
+        poll_interval=args.poll_interval,
+    )
+    select_local_device()
+    source = open_source(args)
+    return execute(
+        args.out_dir,
+        source,
+        image_spec,
+        text_spec,
+        options,
+        console,
+        rank=rank,
+        world_size=world_size,
+        merge_only=args.merge_only,
+        quiet=args.quiet,
+    )
+
+
+def execute(
+    out_dir: str,
+    source: EditSource,
+    image_encoder: dict[str, Any],
+    text_encoder: dict[str, Any],
+    options: BuildOptions,
+    console: Console,
+    *,
+    rank: int,
+    world_size: int,
+    merge_only: bool,
+    quiet: bool,
+) -> int:
+    """Run a build with a progress bar and print its summary."""
+    label = "encoding" if world_size == 1 else f"rank {rank}/{world_size}"
+    with progress_bar(console, quiet, label) as on_progress:
+        report = build_cache(
+            out_dir,
+            source,
+            image_encoder,
+            text_encoder,
+            options,
+            rank=rank,
+            world_size=world_size,
+            merge_only=merge_only,
+            on_progress=on_progress,
+            log=lambda message: console.print(f"[dim]{message}[/dim]"),
+        )
+    print_summary(console, report)
+    return 0
+
+
+def print_summary(console: Console, report: BuildReport) -> None:
+    """Where things went, counts and time."""
+    who = "" if report.world_size == 1 else f"rank {report.rank}/{report.world_size}: "
+    skipped = sum(report.skipped.values())
+    reasons = ", ".join(f"{kind} x{n}" for kind, n in sorted(report.skipped.items()))
+    if not report.merge_only:
+        console.print(
+            f"{who}wrote {report.written} payloads ({report.already_done} of {report.assigned} already done"
+            f"{f', {skipped} skipped: {reasons}' if skipped else ''}) in {report.seconds:.1f} s"
+        )
+    if report.truncated:
+        console.print(
+            f"[yellow]{who}{report.truncated} of the {report.written} prompts were cut by a length limit "
+            f"(warned above; recorded in each payload's metadata.prompt_truncation)[/yellow]"
+        )
+    merged = report.merged
+    if merged is None:
+        if report.rank != 0:
+            console.print(f"{who}done; rank 0 merges the index into {report.root / 'metadata.json'}")
+        return
+    console.print(
+        f"cache: {report.root} - {merged.samples} samples in {len(merged.shards)} index shard(s), "
+        f"index {report.root / 'metadata.json'}"
+    )
+    if merged.skipped:
+        reasons = ", ".join(f"{kind} x{n}" for kind, n in sorted(merged.skipped_by_reason.items()))
+        console.print(
+            f"[yellow]{merged.skipped} bad samples skipped ({reasons}); listed under skipped_samples in "
+            f"metadata.json[/yellow]"
+        )

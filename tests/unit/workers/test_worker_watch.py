@@ -1,0 +1,121 @@
+"""A loader worker that stops answering becomes an error naming the rank and the worker, never a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import ROOT
+from support.caches import tiny_cache
+from support.stuck_workers import STUCK_SECONDS, StuckAtStartUp, StuckInBatch
+
+from image_edit_data import ImageEditDataloaderConfig
+from image_edit_data.workers import LoaderWorkerTimeoutError
+
+# Long enough that a healthy worker (and the fork server starting) always answers, even with the other
+# test worker running a DDP fit on the same 2 cores; each test waits it out about once.
+TIMEOUT = 6.0
+SRC = ROOT / "src"
+
+pytestmark = pytest.mark.slow  # each test waits out a timeout and the shutdown of a stuck worker
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_cache(tmp_path_factory.mktemp("cache"), counts=(12, 12))
+
+
+def config(cache_dir: Path) -> ImageEditDataloaderConfig:
+    return ImageEditDataloaderConfig(cache_dir=str(cache_dir), num_workers=2, worker_timeout=TIMEOUT)
+
+
+def test_a_worker_stuck_in_a_batch_raises_naming_rank_worker_and_batch(cache_dir: Path) -> None:
+    cfg = config(cache_dir)
+    dataset = StuckInBatch(str(cache_dir), worker=1, step=3)  # batches go to workers in turn: 1, 3, ... to worker 1
+    built = cfg.build_for(dataset=dataset, dp_rank=1, dp_world_size=2, batch_size=2)
+    started = time.monotonic()
+    got = []
+    with pytest.raises(
+        LoaderWorkerTimeoutError,
+        match=rf"rank 1: a loader worker did not answer within worker_timeout={TIMEOUT:g} s: "
+        r"worker 1 of 2 has been loading batch 3 of epoch 0 for \d+ s",
+    ):
+        for batch in built.dataloader:
+            got.append(batch["metadata"]["position"])
+    assert got == [[0, 0], [0, 1], [0, 2]]  # everything before the stuck batch arrived
+    assert time.monotonic() - started < STUCK_SECONDS / 2  # the loader did not wait for the worker
+    # The position stays at the first batch not trained on, so a restarted run resumes exactly there.
+    assert built.sampler.state_dict()["consumed"] == 3
+
+
+def test_workers_stuck_at_start_up_raise_naming_each_one(cache_dir: Path) -> None:
+    built = config(cache_dir).build_for(
+        dataset=StuckAtStartUp(str(cache_dir)), dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    started = time.monotonic()
+    with pytest.raises(
+        LoaderWorkerTimeoutError,
+        match=r"rank 0: .*worker 0 of 2 never started \(stuck in start-up\); worker 1 of 2 never started",
+    ):
+        next(iter(built.dataloader))
+    assert time.monotonic() - started < STUCK_SECONDS / 2
+
+
+def test_the_loader_runs_again_after_a_timeout(cache_dir: Path) -> None:
+    """The stuck pool is shut down; the next pass starts a new one at the first batch not consumed."""
+    dataset = StuckInBatch(str(cache_dir), worker=0, step=2)
+    built = config(cache_dir).build_for(dataset=dataset, dp_rank=0, dp_world_size=1, batch_size=2)
+    with pytest.raises(LoaderWorkerTimeoutError, match="worker 0 of 2 has been loading batch 2"):
+        list(built.dataloader)
+    dataset.stuck_step = -1
+    built.sampler.set_epoch(0)
+    rest = [batch["metadata"]["position"][1] for batch in built.dataloader]
+    assert rest == list(range(2, len(built.sampler)))
+
+
+KILLED_OWNER = """
+import json, os, signal, sys
+from image_edit_data import ImageEditDataloaderConfig
+
+if __name__ == "__main__":
+    cache, start = sys.argv[1], sys.argv[2]
+    built = ImageEditDataloaderConfig(cache_dir=cache, num_workers=2, multiprocessing_context=start).build(
+        dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    next(iter(built.dataloader))
+    print(json.dumps([w.pid for w in built.dataloader._iterator._workers]), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("start", ["forkserver", "fork"])
+def test_workers_end_when_their_training_process_is_killed(tmp_path: Path, cache_dir: Path, start: str) -> None:
+    """A killed run leaves no workers behind (a fork server's workers do not have the run as parent)."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_OWNER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, str(script), str(cache_dir), start], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    workers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(workers) == 2
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in workers if alive(pid)]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has ended: it only waits for its parent to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
