@@ -1,10 +1,12 @@
 """A permutation of [0, n) chosen by a key, read at any positions without building it.
 
-Large domains use a balanced Feistel network on the smallest power of four that holds n, walked
-in cycles until the value falls inside [0, n) (each step is a bijection of the larger domain, so
-the walk from a value in range always returns to the range, and the result is a bijection of
-[0, n)). Reading m positions then costs O(m) time and memory whatever n is. Small domains, where a
-Feistel network of few-bit halves reaches only a biased set of orders, are shuffled exactly.
+Large domains use a Feistel network on the smallest power of two that holds n, walked in cycles
+until the value falls inside [0, n): each step is a bijection of the larger domain, so the walk
+from a value in range always comes back to the range, and the result is a bijection of [0, n).
+The network splits a value's bits into two halves of (nearly) equal width and alternately xors one
+half with a keyed hash of the other, so the domain is at most twice n and a walk takes two steps
+on average. Reading m positions then costs O(m) time and memory whatever n is. Small domains are
+shuffled exactly: there a permutation costs less than a few reads of the network.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-EXACT_UP_TO = 4096  # domains this small are permuted exactly: building them costs less than a few draws
-ROUNDS = 6  # Feistel rounds; four already make a keyed permutation hard to tell from a random one
+EXACT_UP_TO = 1 << 14  # domains this small are permuted exactly (cheaper than the network's per-call cost)
+ROUNDS = 6  # three per half; four rounds in all already make a keyed permutation hard to tell from a random one
 _MIX_1 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finaliser constants
 _MIX_2 = np.uint64(0x94D049BB133111EB)
 
@@ -31,8 +33,9 @@ class KeyedShuffle:
         if n <= EXACT_UP_TO:
             self._order = np.random.default_rng(list(key)).permutation(n)  # [n]
             return
-        self.half = (int(n - 1).bit_length() + 1) // 2  # bits of each half: 4**half >= n
-        self.mask = np.uint64((1 << self.half) - 1)
+        bits = max(2, int(n - 1).bit_length())  # 2**bits >= n > 2**(bits - 1)
+        self.low = bits // 2  # the low half's width; the high half has the rest
+        self.masks = (np.uint64((1 << (bits - self.low)) - 1), np.uint64((1 << self.low) - 1))  # high, low
         self.keys = np.random.SeedSequence(list(key)).generate_state(ROUNDS, dtype=np.uint64)  # [ROUNDS]
 
     def at(self, positions: np.ndarray) -> np.ndarray:
@@ -58,22 +61,26 @@ class KeyedShuffle:
             outside = outside[values[outside] >= self.n]
         return values.astype(np.int64)
 
-    def _round(self, half: np.ndarray, key: np.uint64) -> np.ndarray:
+    def _hash(self, half: np.ndarray, key: np.uint64) -> np.ndarray:
         z = half ^ key
         z = (z ^ (z >> np.uint64(30))) * _MIX_1
         z = (z ^ (z >> np.uint64(27))) * _MIX_2
-        return (z ^ (z >> np.uint64(31))) & self.mask
+        return z ^ (z >> np.uint64(31))
+
+    def _rounds(self, values: np.ndarray, rounds: range) -> np.ndarray:
+        # Even rounds xor the high half with a hash of the low one, odd rounds the other way: each round
+        # undoes itself, so the inverse is the same rounds in reverse order.
+        shift = np.uint64(self.low)
+        high, low = values >> shift, values & self.masks[1]
+        for i in rounds:
+            if i % 2 == 0:
+                high ^= self._hash(low, self.keys[i]) & self.masks[0]
+            else:
+                low ^= self._hash(high, self.keys[i]) & self.masks[1]
+        return (high << shift) | low
 
     def _encrypt(self, values: np.ndarray) -> np.ndarray:
-        shift = np.uint64(self.half)
-        left, right = values >> shift, values & self.mask
-        for key in self.keys:
-            left, right = right, left ^ self._round(right, key)
-        return (left << shift) | right
+        return self._rounds(values, range(ROUNDS))
 
     def _decrypt(self, values: np.ndarray) -> np.ndarray:
-        shift = np.uint64(self.half)
-        left, right = values >> shift, values & self.mask
-        for key in self.keys[::-1]:
-            left, right = right ^ self._round(left, key), left
-        return (left << shift) | right
+        return self._rounds(values, range(ROUNDS - 1, -1, -1))

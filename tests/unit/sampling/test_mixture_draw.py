@@ -85,7 +85,7 @@ def test_counting_from_epoch_0_no_sample_gets_its_ceil_again_before_every_sample
 
 @pytest.mark.parametrize(
     ("n", "quota", "epochs"),
-    [(5003, 2 * 5003 + 2501, 9), (5003, 5003 - 1700, 9), (4099, 97, 100), (9001, 9001 + 4500, 6)],
+    [(20011, 2 * 20011 + 10005, 9), (20011, 20011 - 6001, 9), (20011, 997, 45), (36011, 36011 + 18000, 6)],
     ids=["extras-half", "omissions", "few-extras", "extras-just-under-half"],
 )
 def test_large_strata_rotate_their_extras_through_keyed_orders(n: int, quota: int, epochs: int) -> None:
@@ -93,7 +93,7 @@ def test_large_strata_rotate_their_extras_through_keyed_orders(n: int, quota: in
     assert_extras_rotate(n, quota, seed=7, epochs=epochs)
 
 
-@pytest.mark.parametrize(("n", "k"), [(10, 3), (10, 5), (7, 2), (20, 9), (5003, 1709)])
+@pytest.mark.parametrize(("n", "k"), [(10, 3), (10, 5), (7, 2), (20, 9), (20011, 6007)])
 def test_windows_go_through_passes_each_a_fresh_order_of_all_members(n: int, k: int) -> None:
     rotation = Rotation(n, k, key=(42, 0, 0))
     passes = np.concatenate([rotation.window(epoch) for epoch in range(4 * n // k + 1)])[: 4 * n].reshape(4, n)
