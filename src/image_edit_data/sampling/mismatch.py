@@ -45,7 +45,8 @@ def fingerprint_changes(saved: Mapping[str, Any], current: Mapping[str, Any], al
         if j != i:
             who = f"{parts[0]} ({parts[1]})" if len(parts) == 2 else tag or "a source"
             lines.append(f"{who} moved from sources[{j}] to sources[{i}]")
-        shown = {f"sources[{i}].{field}": field for field in set(was) | set(source) if field != "name"}
+        # Fields one side lacks (a single cache has no weight) say nothing about the source.
+        shown = {f"sources[{i}].{field}": field for field in set(was) & set(source) if field != "name"}
         lines += describe_changes(
             {key: was.get(field) for key, field in shown.items()},
             {key: source.get(field) for key, field in shown.items()},

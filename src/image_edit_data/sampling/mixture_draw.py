@@ -25,8 +25,8 @@ import numpy as np
 from .stratum_draw import draw_positions
 
 DRAW_KEY = 1 << 22  # separates the draw's keyed orders from the plan's shuffle streams (`plan.rng_for`)
-# Which draw an epoch of a mixture takes, in its resume fingerprint: 1 (absent from the fingerprint) until
-# 0.2 read each stratum through fresh permutations per pass; 2 rotates the extra draws (`stratum_draw.py`).
+# Which draw a mixture's epochs take, in its resume fingerprint. Draw 1 (earlier versions, no key) read each
+# stratum through whole permutations per pass; draw 2 rotates the extra draws (`stratum_draw.py`).
 DRAW_VERSION = 2
 
 

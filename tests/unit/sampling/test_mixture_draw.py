@@ -67,11 +67,18 @@ def assert_extras_rotate(n: int, quota: int, seed: int, epochs: int) -> None:
     mixture = Mixture((n,), (1.0,), samples_per_epoch=quota)
     members = [np.arange(n)]
     total = np.zeros(n, dtype=np.int64)
+    ceils = []  # [epochs, n] whether each sample got its ceil
     for epoch in range(epochs):
         counts = epoch_counts(mixture, members, seed, epoch)
         assert set(counts.tolist()) <= {quota // n, -(-quota // n)}, (epoch, counts)
         total += counts
         assert total.max() - total.min() <= 1, f"epoch {epoch}: a sample got its ceil twice before another had it"
+        ceils.append(counts > quota // n)
+    extra = quota % n
+    span = -(-2 * n // extra) if extra else epochs + 1  # every sample gets its ceil in any `span` consecutive epochs
+    if span <= epochs:
+        got = np.cumsum(np.array([np.zeros(n, dtype=bool), *ceils]), axis=0)  # [epochs + 1, n] ceils so far
+        assert (got[span:] - got[:-span] >= 1).all()
 
 
 @settings(max_examples=150, deadline=None)
