@@ -88,12 +88,15 @@ class Rotation:
             return np.zeros(0, dtype=np.int64)
         return self.order(_BOUNDARY, b).at(np.arange(size))
 
-    def tail(self, b: int) -> np.ndarray:
-        """[tail_size(b)] pass `b - 1`'s last members: after boundary `b`'s head, skipping pass `b - 1`'s head."""
+    def tail(self, b: int, taken: np.ndarray | None = None) -> np.ndarray:
+        """[tail_size(b)] pass `b - 1`'s last members: after boundary `b`'s head, skipping pass `b - 1`'s head.
+
+        `taken` is pass `b - 1`'s head when the caller has it already.
+        """
         size = self.tail_size(b)
         if size == 0:
             return np.zeros(0, dtype=np.int64)
-        taken = self.head(b - 1)
+        taken = self.head(b - 1) if taken is None else taken
         begin = self.head_size(b)
         candidates = self.order(_BOUNDARY, b).at(np.arange(begin, begin + size + taken.size))  # within n: 2k <= n
         return candidates[~np.isin(candidates, taken)][:size]
@@ -101,7 +104,8 @@ class Rotation:
     def interior(self, p: int, begin: int, end: int) -> np.ndarray:
         """[end - begin] members `begin` to `end` of pass `p`'s interior: its keyed order, without head and tail."""
         order = self.order(_PASS, p)
-        ends = np.sort(order.position_of(np.concatenate([self.head(p), self.tail(p + 1)])))  # [h + t]
+        head = self.head(p)
+        ends = np.sort(order.position_of(np.concatenate([head, self.tail(p + 1, head)])))  # [h + t]
         wanted = np.arange(begin, end, dtype=np.int64)
         # The i-th position not in `ends` is i plus the number of ends at or before it.
         free = wanted + np.searchsorted(ends - np.arange(ends.size), wanted, side="right")
