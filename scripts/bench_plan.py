@@ -83,7 +83,12 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=100_000, help="its draws per epoch")
     parser.add_argument("--small", type=int, default=100_000, help="samples of the source drawn at its own size")
     parser.add_argument("--skip-single", action="store_true", help="bench the mixture only")
+    parser.add_argument("--exact-up-to", type=int, help="permute strata up to this size exactly (default: 16384)")
     args = parser.parse_args()
+    if args.exact_up_to is not None:
+        from image_edit_data.sampling import keyed_shuffle
+
+        keyed_shuffle.EXACT_UP_TO = args.exact_up_to
     batch_sizes = [args.batch_size] * args.buckets
     if not args.skip_single:
         members = bucketed(np.arange(args.samples), args.buckets, 0)
