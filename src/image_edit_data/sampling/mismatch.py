@@ -36,24 +36,29 @@ def fingerprint_changes(saved: Mapping[str, Any], current: Mapping[str, Any], al
         if i not in matched:
             lines.append(f"sources[{i}]{label(source)} is new")
             continue
-        j, was = matched[i], old[matched[i]]
-        name, was_name = source.get("name"), was.get("name")
-        parts = ([repr(name)] if name is not None else []) + (
-            [f"checkpoint {was_name!r}"] if was_name not in (None, name) else []
-        )
-        tag = ", ".join(parts)
-        if j != i:
-            who = f"{parts[0]} ({parts[1]})" if len(parts) == 2 else tag or "a source"
-            lines.append(f"{who} moved from sources[{j}] to sources[{i}]")
-        # Fields one side lacks (a single cache has no weight) say nothing about the source.
-        shown = {f"sources[{i}].{field}": field for field in set(was) & set(source) if field != "name"}
-        lines += describe_changes(
-            {key: was.get(field) for key, field in shown.items()},
-            {key: source.get(field) for key, field in shown.items()},
-            allowed,
-            {f"sources[{i}]": tag} if tag else None,
-        )
+        lines += source_changes(i, matched[i], old[matched[i]], source, allowed)
     return lines
+
+
+def source_changes(i: int, j: int, was: Mapping[str, Any], source: Mapping[str, Any], allowed: set[str]) -> list[str]:
+    """Lines for the source now at `sources[i]`, at `sources[j]` in the checkpoint: where it moved, what changed."""
+    name, was_name = source.get("name"), was.get("name")
+    parts = ([repr(name)] if name is not None else []) + (
+        [f"checkpoint {was_name!r}"] if was_name not in (None, name) else []
+    )
+    tag = ", ".join(parts)
+    lines = []
+    if j != i:
+        who = f"{parts[0]} ({parts[1]})" if len(parts) == 2 else tag or "a source"
+        lines.append(f"{who} moved from sources[{j}] to sources[{i}]")
+    # Fields one side lacks (a single cache has no weight) say nothing about the source.
+    shown = {f"sources[{i}].{field}": field for field in set(was) & set(source) if field != "name"}
+    return lines + describe_changes(
+        {key: was.get(field) for key, field in shown.items()},
+        {key: source.get(field) for key, field in shown.items()},
+        allowed,
+        {f"sources[{i}]": tag} if tag else None,
+    )
 
 
 def draws(fingerprint: Mapping[str, Any]) -> bool:
