@@ -9,14 +9,13 @@ of all `n` members. So each epoch draws every member `f` or `f + 1` times, and c
 through whole passes), which for a subsampled stratum (`f = 0`) is: no member is drawn twice
 before every member has been drawn once.
 
-A window that crosses from pass `p` into pass `p + 1` must not hold a member twice, so the two
-ends of a pass are not free: a pass is its *head* (the members it gives the window it shares with
-the pass before), its *tail* (those it gives the window it shares with the pass after) and its
-*interior*. Boundary `b` (between passes `b - 1` and `b`) draws its head and tail from one keyed
-order of the members: the head is that order's first members, the tail the next members that are
-not in pass `b - 1`'s head. The interior is the rest of pass `b - 1` in another keyed order. Both
-orders are read at positions (`KeyedShuffle`), so a window costs O(k) whatever `n` is; `2k <= n`
-leaves the tail enough members to choose from.
+A window that crosses from pass `p` into pass `p + 1` holds the *tail* of pass `p` and the *head*
+of pass `p + 1`, which must not share a member. Both come from one keyed order of the members for
+that boundary: the head is its first members, the tail its next members that are not in pass `p`'s
+own head (a pass holds each member once). Each pass's *interior*, the members between its head and
+its tail, follows the pass's own keyed order; the boundary's order is another, so the members that
+end one pass fall anywhere in the next. Orders are read at positions (`KeyedShuffle`), so a window
+costs O(k) whatever `n` is; `2k <= n` leaves the tail enough members to choose from.
 """
 
 from __future__ import annotations
