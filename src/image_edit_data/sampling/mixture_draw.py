@@ -5,12 +5,12 @@ buckets hold ids of every source with that compound signature. An epoch draws `s
 samples (default: the sources' total); source i gets `N * w_i / sum(w)` of them, rounded by largest
 remainder so the quotas sum to N, and splits its quota over its buckets in proportion to their
 sizes (largest remainder again), so a source keeps its own mix of shapes and every epoch has the
-same number of steps. Each (source, bucket) *stratum* reads its draws from an endless sequence of
-permutations of its members, one per pass, seeded by (seed, source, bucket, pass): epoch e takes
-positions `[e*q, (e+1)*q)` of that sequence. A stratum smaller than its quota is repeated, each
-pass in a fresh order; a larger one is subsampled, and the next epoch continues the same pass, so
-every sample is drawn before any is drawn again. One source drawn at its own size draws every
-sample once, which is the plan of a single cache.
+same number of steps. Each (source, bucket) *stratum* of n members with quota q draws each member
+`q // n` or `q // n + 1` times per epoch, the extra draws rotating through passes over its members
+(`stratum_draw.py`): a stratum larger than its quota is subsampled, and the next epoch continues
+the same pass, so every sample is drawn before any is drawn again. Drawing an epoch costs time and
+memory in proportion to the quota, not to the stratum. One source drawn at its own size draws
+every sample once, which is the plan of a single cache.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from .plan import rng_for
+from .stratum_draw import draw_positions
 
-DRAW_KEY = 1 << 22  # separates the draw streams from the plan's shuffle streams in `rng_for`
+DRAW_KEY = 1 << 22  # separates the draw's keyed orders from the plan's shuffle streams (`plan.rng_for`)
+# Which draw a mixture's epochs take, in its resume fingerprint. Draw 1 (earlier versions, no key) read each
+# stratum through whole permutations per pass; draw 2 rotates the extra draws (`stratum_draw.py`).
+DRAW_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,9 @@ class Mixture:
     def strata(self, members: Sequence[np.ndarray]) -> list[list[tuple[slice, int]]]:
         """Per source, per bucket: (its slice of the bucket's ascending ids, its quota of draws per epoch)."""
         offsets = self.offsets
-        # [S + 1, B] where each source's ids begin in each bucket's ascending member array (and the end)
-        bounds = np.stack([np.searchsorted(m, offsets) for m in members], axis=1) if members else None
+        # [S + 1, B] where each source's ids begin in each bucket's ascending member array (and the end); offsets
+        # in the members' type, or searchsorted would copy a whole bucket to the wider type
+        bounds = np.stack([np.searchsorted(m, offsets.astype(m.dtype)) for m in members], axis=1) if members else None
         result: list[list[tuple[slice, int]]] = []
         for source, quota in enumerate(self.quotas()):
             if bounds is None:
@@ -110,10 +114,10 @@ class Mixture:
         parts: list[list[np.ndarray]] = [[] for _ in members]
         for source, strata in enumerate(self.strata(members)):
             for bucket, (where, quota) in enumerate(strata):
-                stratum = members[bucket][where]  # [n] this source's ids in this bucket
+                stratum = members[bucket][where]  # [n] this source's ids in this bucket (a view)
                 if quota and stratum.size:
-                    counts = draw_counts(stratum.size, quota, epoch, Passes(seed, source, bucket))
-                    parts[bucket].append(np.repeat(stratum, counts))
+                    key = (seed & 0xFFFFFFFF, DRAW_KEY, source, bucket)
+                    parts[bucket].append(stratum[draw_positions(stratum.size, quota, epoch, key)])
         dtype = members[0].dtype if members else np.int64
         return [np.concatenate(p) if p else np.zeros(0, dtype=dtype) for p in parts]
 
@@ -123,6 +127,9 @@ class Mixture:
         `sources[i].name` only labels messages: the sampler never refuses a renamed source.
         """
         keys: dict[str, Any] = {}
+        if self.reads_each_sample_once:
+            return keys
+        keys["mixture_draw"] = DRAW_VERSION
         if self.epoch_samples != sum(self.sizes):
             keys["samples_per_epoch"] = self.epoch_samples
         if len(self.sizes) > 1:
@@ -145,31 +152,3 @@ def split_quota(quota: int, sizes: np.ndarray) -> np.ndarray:
     order = np.lexsort((np.arange(sizes.shape[0]), -remainder))  # largest remainder first
     base[order[:extra]] += 1
     return base
-
-
-@dataclass(frozen=True)
-class Passes:
-    """The passes of one stratum: pass `p` is a permutation of its members from (seed, source, bucket, p)."""
-
-    seed: int
-    source: int
-    bucket: int
-
-    def permutation(self, p: int, n: int) -> np.ndarray:
-        """[n] the order of pass `p`."""
-        return rng_for(self.seed, DRAW_KEY, self.source, self.bucket, p).permutation(n)
-
-
-def draw_counts(n: int, quota: int, epoch: int, passes: Passes) -> np.ndarray:
-    """[n] how often each of a stratum's `n` members is drawn in `epoch`, taking `quota` draws per epoch."""
-    start, end = epoch * quota, (epoch + 1) * quota  # positions in the endless sequence of passes
-    first, last = start // n, (end - 1) // n  # the passes these positions touch
-    counts = np.zeros(n, dtype=np.int64)
-    for p in {first, last}:
-        begin, stop = max(start, p * n) - p * n, min(end, (p + 1) * n) - p * n
-        if begin == 0 and stop == n:
-            counts += 1  # a whole pass draws every member once, whatever its order
-        else:
-            counts[passes.permutation(p, n)[begin:stop]] += 1
-    counts += max(0, last - first - 1)  # whole passes between the first and the last
-    return counts

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .mismatch import fingerprint_changes
 from .mixture_draw import Mixture
 from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
 
@@ -250,13 +251,8 @@ class BucketBatchSampler:
         """
         state = migrate_state(state)
         saved = state["fingerprint"]
-        current = self.fingerprint()
         allowed = set(allow_changes) | ({"world_size"} if self.elastic else set())
-        if "sources" in saved or "sources" in current:  # a mixture on either side: compare source by source
-            saved, current = comparable(saved), comparable(current)
-        labels = source_labels(saved, current)
-        allowed |= {f"{source}.name" for source in labels}  # names label messages; a renamed source resumes
-        changed = describe_changes(saved, current, allowed, labels)
+        changed = fingerprint_changes(saved, self.fingerprint(), allowed)  # names only label: a renamed source resumes
         if changed:
             elastic_hint = any(line.startswith("world_size") for line in changed)
             hint = " (set elastic=True to continue on a new world size)" if elastic_hint else ""
@@ -345,38 +341,3 @@ def migrate_state(state: Mapping[str, Any]) -> dict[str, Any]:
     if missing:
         raise ResumeMismatchError(f"cannot resume: sampler state lacks {sorted(missing)}")
     return dict(state)
-
-
-def comparable(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """A fingerprint in the mixture's terms, so a single cache compares with a mixture source by source."""
-    result = dict(fingerprint)
-    if "sources" not in result:
-        result["sources"] = 1
-        result["sources[0].data"] = result.pop("data", None)
-    return result
-
-
-def source_labels(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, str]:
-    """`sources[i]` -> its name (the current one, else the checkpoint's), from the fingerprints' `sources[i].name`."""
-    labels: dict[str, str] = {}
-    for fingerprint in (saved, current):
-        for key, value in fingerprint.items():
-            if key.startswith("sources[") and key.endswith("].name"):
-                labels[key.removesuffix(".name")] = str(value)
-    return labels
-
-
-def describe_changes(
-    saved: Mapping[str, Any], current: Mapping[str, Any], allowed: set[str], labels: Mapping[str, str] | None = None
-) -> list[str]:
-    """One `key: checkpoint X, now Y` line per differing fingerprint key not in `allowed`.
-
-    A key of a mixture's source (`sources[1].weight`) is followed by the source's name from `labels`.
-    """
-    lines = []
-    for key in sorted(set(saved) | set(current)):
-        if key not in allowed and saved.get(key) != current.get(key):
-            source = key.partition("]")[0] + "]" if key.startswith("sources[") else ""
-            label = f" ({labels[source]!r})" if labels and source in labels else ""
-            lines.append(f"{key}{label}: checkpoint {saved.get(key)!r}, now {current.get(key)!r}")
-    return lines

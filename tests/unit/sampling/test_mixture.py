@@ -20,7 +20,7 @@ from support.loader_cuts import BATCH, PATTERNS, flat, restored_as, resume, run_
 
 from image_edit_data import CacheSource, ImageEditDataloaderConfig, MixtureDataset, ResumeMismatchError
 from image_edit_data.preprocess.tools.pack import pack_cache
-from image_edit_data.sampling.mixture_draw import Mixture, Passes, draw_counts
+from image_edit_data.sampling.mixture_draw import DRAW_VERSION, Mixture
 from image_edit_data.sampling.resume import restore
 from image_edit_data.sampling.sampler import BucketBatchSampler
 
@@ -77,18 +77,6 @@ def test_each_sources_share_of_an_epoch_is_within_one_percent_of_its_weight(worl
         one_batch = max(batch_sizes) * world / total
         for source, target in enumerate(mixture.targets):
             assert abs(trained[source] / total - target) <= max(0.01, one_batch), (epoch, source, trained)
-
-
-def test_a_stratum_draws_every_sample_before_any_again_each_pass_in_a_fresh_order() -> None:
-    passes = Passes(seed=42, source=0, bucket=0)
-    counts = [draw_counts(10, 3, epoch, passes) for epoch in range(4)]
-    assert all(c.sum() == 3 for c in counts)
-    assert (sum(counts[:3]) <= 1).all() and sum(counts[:3]).sum() == 9, "three epochs draw nine distinct samples"
-    first_pass, second_pass = passes.permutation(0, 10), passes.permutation(1, 10)
-    assert sorted(first_pass) == sorted(second_pass) and list(first_pass) != list(second_pass)
-    expected = np.bincount([first_pass[9], *second_pass[:2]], minlength=10)
-    assert (counts[3] == expected).all(), "epoch 3 ends pass 0 and starts pass 1"
-    assert (draw_counts(10, 25, 0, passes) >= 2).all() and draw_counts(10, 25, 0, passes).sum() == 25
 
 
 def test_a_source_smaller_than_its_share_repeats_and_a_larger_one_is_drawn_through_over_epochs() -> None:
@@ -309,14 +297,36 @@ def saved_mid_epoch(caches: tuple[Path, Path, Path]) -> dict[str, Any]:
     return run_until_cut(mixture_config(caches), 0, 1, 0, "mid")[1]["sampler"]
 
 
+def moved(sources: list[dict[str, Any]], frm: int, to: int, **changes: Any) -> None:
+    sources.insert(to, {**sources.pop(frm), **changes})
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda s: s[1].update(weight=2.0), r"sources\[1\].weight \('small'\): checkpoint 1.0, now 2.0"),
-        (lambda s: s.pop(), r"sources: checkpoint 3, now 2.*sources\[2\].data \('third'\): checkpoint '\w+', now None"),
-        (lambda s: s.reverse(), r"sources\[0\].data \('third'\): checkpoint '\w+', now '\w+'"),
+        (lambda s: s.pop(), r"sources: checkpoint 3, now 2; sources\[2\] 'third' of the checkpoint is gone$"),
+        (
+            lambda s: s.pop(0),
+            r"sources: checkpoint 3, now 2; sources\[0\] 'large' of the checkpoint is gone; "
+            r"'small' moved from sources\[1\] to sources\[0\]; 'third' moved from sources\[2\] to sources\[1\]$",
+        ),
+        (
+            lambda s: s.append({"cache_dir": s[0]["cache_dir"], "name": "again"}),
+            r"sources: checkpoint 3, now 4; sources\[3\] 'again' is new$",
+        ),
+        (
+            lambda s: s.reverse(),
+            r"fit: 'third' moved from sources\[2\] to sources\[0\]; 'large' moved from sources\[0\] to sources\[2\]$",
+        ),
+        (
+            lambda s: moved(s, 1, 0, name="in-house", weight=2.0),
+            r"'in-house' \(checkpoint 'small'\) moved from sources\[1\] to sources\[0\]; "
+            r"sources\[0\].weight \('in-house', checkpoint 'small'\): checkpoint 1.0, now 2.0; "
+            r"'large' moved from sources\[0\] to sources\[1\]$",
+        ),
     ],
-    ids=["weight", "removed", "reordered"],
+    ids=["weight", "removed-last", "removed-first", "added", "reordered", "renamed-moved-reweighted"],
 )
 def test_a_changed_mixture_is_refused_naming_what_changed_or_restarts_the_epoch_when_asked(
     caches: tuple[Path, Path, Path], change: Any, message: str
@@ -329,6 +339,29 @@ def test_a_changed_mixture_is_refused_naming_what_changed_or_restarts_the_epoch_
         built.sampler.load_state_dict(state)
     why = restore(built.sampler, state, restart_on_mismatch=True)
     assert why is not None and (built.sampler.epoch, built.sampler.consumed) == (0, 0)
+
+
+OLD_DRAW_STATE = Path(__file__).parents[2] / "data" / "mixture_draw_1" / "state.json"  # written by ee4b5e5
+
+
+def test_a_mixture_checkpoint_of_the_previous_draw_is_refused_naming_the_draw_or_restarts_its_epoch(
+    caches: tuple[Path, Path, Path],
+) -> None:
+    state = json.loads(OLD_DRAW_STATE.read_text())
+    built = mixture_config(caches).build(dp_rank=0, dp_world_size=1, batch_size=2)
+    message = (
+        r"does not fit: mixture_draw: checkpoint 1, now 2 \(this image-edit-data draws a mixture's epochs otherwise "
+        r"than the one that wrote the checkpoint .*, so the saved position would name other samples\)$"
+    )
+    with pytest.raises(ResumeMismatchError, match=message):
+        built.dataloader.load_state_dict(state["loader"])
+    with pytest.raises(ResumeMismatchError, match=message):
+        built.sampler.load_state_dict(state["sampler"])
+    why = restore(built.sampler, state["sampler"], restart_on_mismatch=True)
+    assert why is not None and "mixture_draw" in why and (built.sampler.epoch, built.sampler.consumed) == (1, 0)
+    state["sampler"]["fingerprint"]["mixture_draw"] = DRAW_VERSION
+    built.sampler.load_state_dict(state["sampler"])
+    assert (built.sampler.epoch, built.sampler.consumed) == (1, 10), "the draw is all that changed"
 
 
 def test_a_renamed_source_resumes_and_a_mixtures_checkpoint_is_refused_by_a_single_cache(
