@@ -1,4 +1,4 @@
-"""`FileTensor`: a tensor whose bytes are still in an open payload file, read once into the batch."""
+"""`FileTensor`: a tensor whose bytes are still in its payload (a file or fetched bytes), read once into the batch."""
 
 from __future__ import annotations
 
@@ -13,19 +13,20 @@ from ..errors import fail
 
 @dataclass(frozen=True, slots=True)
 class FileTensor:
-    """Shape, dtype and byte range of a tensor in an open file (a checked safetensors entry or `.pt` storage).
+    """Shape, dtype and byte range of a tensor in an open file or fetched bytes (a safetensors entry or `.pt` storage).
 
     It answers the questions the contract checks ask of a tensor (`shape`, `ndim`, `dtype`,
     `is_floating_point()`), so a payload can be validated before any of its bytes are read; the
-    batch then reads them straight from the file into its own memory (`read_into`).
+    batch then copies them straight from the file (or from `memory`) into its own memory (`read_into`).
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    descriptor: int
-    offset: int
+    descriptor: int  # -1 when the bytes are in `memory`
+    offset: int  # in the file, or in `memory`
     nbytes: int
     display: str
+    memory: memoryview | None = None  # the payload's bytes, when they were fetched rather than left in a file
 
     @property
     def ndim(self) -> int:
@@ -43,9 +44,15 @@ class FileTensor:
     def materialize(self) -> torch.Tensor:
         """The tensor in memory of its own."""
         out = torch.empty(self.shape, dtype=self.dtype)
-        destination = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        read_into(self.descriptor, self.offset, destination, self.display)
+        self.copy_to(memoryview(out.view(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
         return out
+
+    def copy_to(self, destination: memoryview) -> None:
+        """Copy the tensor's bytes into `destination` (exactly `nbytes` long)."""
+        if self.memory is not None:
+            destination[:] = self.memory[self.offset : self.offset + self.nbytes]
+        else:
+            read_into(self.descriptor, self.offset, destination, self.display)
 
 
 def read_into(descriptor: int, offset: int, destination: memoryview, display: str) -> None:

@@ -14,7 +14,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,8 +24,9 @@ from safetensors.torch import save as save_safetensors_bytes
 from .._atomic import write_bytes_atomic
 from ..contract.file_tensor import FileTensor
 from ..contract.paths import open_regular
-from ..errors import fail, show
-from .safetensors_header import read_header
+from ..errors import CacheFormatError, fail, show
+from .member_check import Buffer, FetchedMember, FileMember, MemberCheck
+from .safetensors_header import header_from_bytes, read_header
 from .torch_save._private_torch import direct_reads, in_file_payload
 from .torch_save.torch_zip import ZipEntry, stored_data_ranges, zip_entries
 
@@ -45,14 +46,18 @@ def format_of(path: str | Path) -> PayloadFormat:
 class OpenPayload:
     """One payload's fields, ready to be checked and read into a batch; close it when the batch is built.
 
-    Tensors are `FileTensor`s of the still-open file (nothing read yet but the header or the
-    pickle), or, for `.pt` files whose tensors are not plain byte ranges of the file, tensors
-    that torch's weights-only loader mapped from it or read into memory.
+    Tensors are `FileTensor`s of the still-open file or of fetched bytes (nothing read yet but the
+    header or the pickle), or, for `.pt` files whose tensors are not plain byte ranges of the file,
+    tensors that torch's weights-only loader mapped from it or read into memory. `check` is the
+    member checksum still to compare (packed members), which the batch computes as it reads the
+    tensors (`batch/fill.py`); `descriptor` is the file this payload owns (None: none, or one its
+    reader keeps open for many payloads).
     """
 
-    def __init__(self, fields: dict[str, Any], descriptor: int | None = None) -> None:
+    def __init__(self, fields: dict[str, Any], descriptor: int | None = None, check: MemberCheck | None = None) -> None:
         self.fields = fields
         self.descriptor = descriptor
+        self.check = check
 
     def close(self) -> None:
         """Close the payload file (a no-op for mapped `.pt` tensors, whose mapping lives as long as they do)."""
@@ -72,12 +77,14 @@ def open_payload(
     display: str,
     opened: tuple[int, os.stat_result] | None = None,
     member: tuple[int, int] | None = None,
+    checksum: int | None = None,
 ) -> OpenPayload:
     """Open one payload without running any code from the file; its tensors are read later, once.
 
     `opened` is the descriptor and stat of `path` when the caller has opened it already (this
     function then owns the descriptor). `member` is `(offset, length)` of a safetensors payload
-    stored inside a larger file (a packed tar shard, see index/packed.py).
+    stored inside a larger file (a packed tar shard, see index/packed.py), and `checksum` its
+    recorded XXH3-64, checked as the batch reads it.
     """
     try:
         descriptor, info = opened or open_regular(path, display)
@@ -85,10 +92,8 @@ def open_payload(
         fail(display, "file", f"cannot be read: {error.strerror or error}")
     try:
         if member is not None or format_of(path) == "safetensors":
-            base, size = member if member is not None else (0, info.st_size)
-            if size == 0:
-                fail(display, "file", "is empty (0 bytes)")
-            return OpenPayload(from_safetensors(descriptor, size, display, base), descriptor)
+            where = member if member is not None else (0, info.st_size)
+            return open_member(descriptor, display, where, checksum, f"read from {path}", owned=True)
         fields, in_file = _torch_save_fields(path, descriptor, info.st_size, display)
     except OSError as error:
         os.close(descriptor)
@@ -100,6 +105,76 @@ def open_payload(
         return OpenPayload(fields, descriptor)
     os.close(descriptor)
     return OpenPayload(fields)
+
+
+def open_member(
+    descriptor: int,
+    display: str,
+    member: tuple[int, int],
+    checksum: int | None = None,
+    source: str = "",
+    owned: bool = False,
+) -> OpenPayload:
+    """The safetensors payload at `member` = `(offset, length)` of an open file, its header read and checked.
+
+    With `owned` the payload closes `descriptor` when it is closed (the caller closes it if this
+    raises); otherwise the descriptor stays the caller's, shared by many payloads. A member whose
+    header cannot be parsed is read again whole when it has a `checksum`: damage the checksum
+    confirms is reported as such, and intact bytes (the first read was not) are parsed from memory.
+    """
+    base, size = member
+    if size == 0:
+        fail(display, "file", "is empty (0 bytes)")
+    kept = descriptor if owned else None
+    try:
+        tensors, extra, head = read_header(descriptor, size, display, base)
+        fields = fields_from_header(tensors, extra, display)
+    except OSError as error:
+        fail(display, "file", f"cannot be read: {error.strerror or error}")
+    except CacheFormatError:
+        if checksum is None:
+            raise
+        fresh = confirmed_or_raise(FileMember(checksum, display, source, descriptor, base, size, b""))
+        return OpenPayload(payload_from_bytes(fresh, display).fields, kept)  # checked already
+    return OpenPayload(
+        fields, kept, None if checksum is None else FileMember(checksum, display, source, descriptor, base, size, head)
+    )
+
+
+def payload_from_bytes(
+    data: Buffer,
+    display: str,
+    member_checksum: int | None = None,
+    *,
+    source: str = "fetched",
+    refetch: Callable[[], Buffer] | None = None,
+) -> OpenPayload:
+    """A safetensors payload (a packed member, or a `.safetensors` file) from bytes already in memory.
+
+    For readers that fetch bytes (remote caches): the tensors are `FileTensor`s over `data`, which
+    the batch copies once into its memory, and `member_checksum` (the index's XXH3-64 of these
+    bytes) is computed in that same pass. On a mismatch the batch calls `refetch` for the bytes
+    once more (without it, the same bytes are hashed again) before the member counts as damaged.
+    `source` says where the bytes came from in that error ("ranged read of s3://...").
+    """
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+    check = None if member_checksum is None else FetchedMember(member_checksum, display, source, view, refetch)
+    try:
+        tensors, extra = header_from_bytes(view, display)
+        fields = fields_from_header(tensors, extra, display)
+    except CacheFormatError:
+        if check is None:
+            raise
+        return payload_from_bytes(confirmed_or_raise(check), display)  # checked already
+    return OpenPayload(fields, None, check)
+
+
+def confirmed_or_raise(check: MemberCheck) -> Buffer:
+    """The member read again when it now matches its checksum; the confirmed mismatch is raised."""
+    result = check.confirmed()
+    if isinstance(result, CacheFormatError):
+        raise result
+    return result
 
 
 def _torch_save_fields(path: Path | str, descriptor: int, size: int, display: str) -> tuple[dict[str, Any], bool]:
@@ -210,14 +285,23 @@ def load_payload(path: Path, display: str) -> dict[str, Any]:
         return {name: materialized(value) for name, value in payload.fields.items()}
 
 
-def materialized(value: Any) -> Any:
-    """`value` with each `FileTensor` in it (also inside lists and dicts) read into a tensor."""
+def materialized(value: Any, member: Buffer | None = None, base: int = 0) -> Any:
+    """`value` with each `FileTensor` in it (also inside lists and dicts) read into a tensor of its own.
+
+    With `member` (a packed member's checked bytes, starting at offset `base` of its file) the tensors
+    are copied from those bytes rather than read from the file again.
+    """
     if isinstance(value, FileTensor):
-        return value.materialize()
+        if member is None:
+            return value.materialize()
+        start = value.offset - base
+        return FileTensor(
+            value.shape, value.dtype, -1, start, value.nbytes, value.display, memoryview(member)
+        ).materialize()
     if isinstance(value, list):
-        return [materialized(v) for v in value]
+        return [materialized(v, member, base) for v in value]
     if isinstance(value, dict):
-        return {k: materialized(v) for k, v in value.items()}
+        return {k: materialized(v, member, base) for k, v in value.items()}
     return value
 
 
@@ -243,7 +327,12 @@ def _unpickler_reason(error: pickle.UnpicklingError) -> str:
 
 def from_safetensors(descriptor: int, size: int, display: str, base: int = 0) -> dict[str, Any]:
     """Rebuild the payload dict from our safetensors form, its tensors as `FileTensor`s of `descriptor`."""
-    tensors, extra = read_header(descriptor, size, display, base)
+    tensors, extra, _ = read_header(descriptor, size, display, base)
+    return fields_from_header(tensors, extra, display)
+
+
+def fields_from_header(tensors: Mapping[str, FileTensor], extra: Mapping[str, str], display: str) -> dict[str, Any]:
+    """The payload dict from a checked safetensors header: its tensors by field, its metadata parsed."""
     if extra.get(FORMAT_KEY) != FORMAT_VERSION:
         fail(
             display,

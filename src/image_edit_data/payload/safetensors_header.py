@@ -1,4 +1,4 @@
-"""Read a safetensors header into `FileTensor`s: tensor bytes stay in the file until the batch reads them.
+"""Read a safetensors header into `FileTensor`s: tensor bytes stay where they are until the batch reads them.
 
 The header is checked before anything is read: known dtypes only, every tensor's byte range inside
 the data section and exactly `prod(shape) * itemsize` long. A header that declares a gigantic
@@ -41,24 +41,54 @@ def unreadable(display: str, reason: str) -> NoReturn:
 
 def read_header(
     descriptor: int, size: int, display: str, base: int = 0
-) -> tuple[dict[str, FileTensor], dict[str, str]]:
-    """The tensors (as checked `FileTensor`s of `descriptor`) and the string metadata of a safetensors file.
+) -> tuple[dict[str, FileTensor], dict[str, str], bytes]:
+    """A safetensors file's tensors (checked `FileTensor`s of `descriptor`), string metadata and the bytes read.
 
     `base` is where the safetensors bytes start in the file (a member of a packed tar shard) and
-    `size` their length; every tensor must lie inside that range.
+    `size` their length; every tensor must lie inside that range. The bytes read are the first of
+    the member (the header, and whatever else the first read brought), which a member checksum hashes.
     """
     if size < 8:
         unreadable(display, f"{size} bytes, shorter than the 8-byte header length")
     head = os.pread(descriptor, min(FIRST_READ, size), base)
-    header_length = int.from_bytes(head[:8], "little")
-    if header_length > min(MAX_HEADER, size - 8):
-        unreadable(display, f"header length {header_length} exceeds the {size}-byte file")
+    header_length = checked_length(head, size, display)
     if 8 + header_length > len(head):
         head = os.pread(descriptor, 8 + header_length, base)
         if len(head) < 8 + header_length:
             unreadable(display, "the file ended inside the header")
+    tensors, metadata = parse_header(head, header_length, size, display, descriptor, base)
+    return tensors, metadata, head
+
+
+def header_from_bytes(data: memoryview, display: str) -> tuple[dict[str, FileTensor], dict[str, str]]:
+    """The tensors (as checked `FileTensor`s over `data`) and the string metadata of safetensors bytes in memory."""
+    size = len(data)
+    if size < 8:
+        unreadable(display, f"{size} bytes, shorter than the 8-byte header length")
+    header_length = checked_length(data[:8], size, display)
+    return parse_header(data[: 8 + header_length], header_length, size, display, -1, 0, data)
+
+
+def checked_length(head: bytes | memoryview, size: int, display: str) -> int:
+    """The header length the first 8 bytes declare, refused when the file cannot hold it."""
+    header_length = int.from_bytes(head[:8], "little")
+    if header_length > min(MAX_HEADER, size - 8):
+        unreadable(display, f"header length {header_length} exceeds the {size}-byte file")
+    return header_length
+
+
+def parse_header(
+    head: bytes | memoryview,
+    header_length: int,
+    size: int,
+    display: str,
+    descriptor: int,
+    base: int,
+    memory: memoryview | None = None,
+) -> tuple[dict[str, FileTensor], dict[str, str]]:
+    """Check the JSON header in `head` and make a `FileTensor` per entry (of `descriptor`, or of `memory`)."""
     try:
-        header = json.loads(head[8 : 8 + header_length])
+        header = json.loads(bytes(head[8 : 8 + header_length]))
     except (UnicodeDecodeError, RecursionError, ValueError) as error:
         unreadable(display, f"header is not JSON: {str(error)[:200]}")
     if not isinstance(header, dict):
@@ -69,13 +99,16 @@ def read_header(
     data_start = base + 8 + header_length
     data_size = size - 8 - header_length
     tensors = {
-        name: _entry_tensor(descriptor, data_start, data_size, name, entry, display) for name, entry in header.items()
+        name: _entry_tensor(descriptor, data_start, data_size, name, entry, display, memory)
+        for name, entry in header.items()
     }
     return tensors, metadata
 
 
-def _entry_tensor(descriptor: int, start: int, data_size: int, name: str, entry: object, display: str) -> FileTensor:
-    """One checked header entry as a `FileTensor` of the open file (plain loops: this runs per tensor, per sample)."""
+def _entry_tensor(
+    descriptor: int, start: int, data_size: int, name: str, entry: object, display: str, memory: memoryview | None
+) -> FileTensor:
+    """One checked header entry as a `FileTensor` (plain loops: this runs per tensor, per sample)."""
     if type(entry) is not dict:  # json.loads makes plain dicts
         unreadable(display, f"entry {name!r} is not an object")
     dtype_name = entry.get("dtype")
@@ -92,7 +125,7 @@ def _entry_tensor(descriptor: int, start: int, data_size: int, name: str, entry:
         unreadable(display, f"tensor {name!r} byte range {offsets} lies outside the {data_size}-byte data section")
     if end - begin != math.prod(shape) * ITEM_SIZES[dtype_name]:  # type: ignore[index]
         unreadable(display, f"tensor {name!r} byte range {offsets} does not hold shape {shape}")
-    return FileTensor(tuple(shape), dtype, descriptor, start + begin, end - begin, display)
+    return FileTensor(tuple(shape), dtype, descriptor, start + begin, end - begin, display, memory)
 
 
 def _non_negative_ints(values: list[object]) -> bool:
