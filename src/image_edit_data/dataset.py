@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -11,13 +11,14 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from .batch.collate import AssembledBatch, collate_image_edit
+from .batch.collate import AssembledBatch, assemble
 from .contract import validate
 from .contract.batch import Sample, SkippedSample
 from .contract.signature import Signature
+from .errors import CacheFormatError
 from .index.index import CacheIndex
 from .payload.corrupt import CorruptPolicy, SkipLog
-from .payload.payload import OpenPayload, materialized
+from .payload.payload import OpenPayload, materialized, payload_from_bytes
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
 from .storage.prefetch import ShardPrefetcher
 from .storage.reader import Opened, PayloadReader
@@ -43,6 +44,7 @@ class ImageEditDataset(Dataset):
         remote_read: RemoteRead = "range",
         local_cache_dir: str | None = None,
         shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
+        require_checksums: bool = False,
     ) -> None:
         if isinstance(quantization, bool) or not isinstance(quantization, int) or quantization <= 0:
             raise ValueError(f"quantization must be a positive integer, got {quantization!r}")
@@ -58,6 +60,8 @@ class ImageEditDataset(Dataset):
         self.index: CacheIndex
         self.reader: PayloadReader
         self.index, self.reader = self.location.open(use_store=use_index_store)
+        if require_checksums:
+            refuse_unchecked(self.index, self.cache_dir)
         self.skips = SkipLog(
             on_corrupt_sample, max_corrupt_fraction, len(self.index), Path(quarantine_file) if quarantine_file else None
         )
@@ -69,7 +73,10 @@ class ImageEditDataset(Dataset):
     def __getitem__(self, idx: int) -> Sample:
         sample, payload = self.open_sample(self.checked_index(idx))
         with payload:  # each tensor in memory of its own, as torch.load would give it
-            return materialized(sample)  # type: ignore[no-any-return]
+            if payload.check is None:
+                return materialized(sample)  # type: ignore[no-any-return]
+            member = payload.check.verified_bytes()  # read once, checked, and the tensors copied from it
+            return materialized(sample, member, payload.check.base)  # type: ignore[no-any-return]
 
     def __getitems__(self, indices: list[int]) -> AssembledBatch:
         """Load one batch, read straight into the batch's memory; `collate_image_edit` returns it as is.
@@ -80,9 +87,14 @@ class ImageEditDataset(Dataset):
         """
         opened, skipped = self.open_batch([self.checked_index(i) for i in indices])
         try:
-            samples = [sample for sample, _ in opened]
-            batch = collate_image_edit(samples, position=plan_position(indices), skipped=skipped)
-            return AssembledBatch(batch, samples)
+            return assembled(
+                opened,
+                skipped,
+                plan_position(indices),
+                self.skips.policy,
+                lambda row, error: self.skips.record(int(opened[row][0]["sample_index"]), error),
+                partial(self.replacement_for, indices[0]),
+            )
         finally:
             close_all(opened)
 
@@ -97,10 +109,28 @@ class ImageEditDataset(Dataset):
         return self.checked_sample(idx, self.reader.open(idx))
 
     def checked_sample(self, idx: int, payload: OpenPayload) -> tuple[Sample, OpenPayload]:
-        """Check opened payload `idx` against the contract and its index record; closes it if it fails."""
+        """Check opened payload `idx` against the contract and its index record; closes it if it fails.
+
+        A packed member that fails is read again whole first: a mismatch with its checksum is the
+        error then; intact bytes (the first read was not) are checked again from memory.
+        """
         relative = self.reader.display(idx)
         try:
-            sample = validate.payload(payload.fields, self.index.signature(idx), relative, self.index.source_revision)
+            try:
+                sample = validate.payload(
+                    payload.fields, self.index.signature(idx), relative, self.index.source_revision
+                )
+            except CacheFormatError:
+                if payload.check is None:
+                    raise
+                member = payload.check.confirmed()
+                if isinstance(member, CacheFormatError):
+                    raise member from None
+                payload.close()
+                payload = payload_from_bytes(member, relative)
+                sample = validate.payload(
+                    payload.fields, self.index.signature(idx), relative, self.index.source_revision
+                )
         except BaseException:
             payload.close()
             raise
@@ -138,14 +168,21 @@ class ImageEditDataset(Dataset):
         """Open a batch's samples under the corrupt-sample policy; also the skipped ones (None under "raise")."""
         return kept_or_replaced(self.open_each(indices), self.skips.policy, partial(self.replacement_for, indices[0]))
 
-    def replacement_for(self, index: int, skipped: list[SkippedSample]) -> tuple[Sample, OpenPayload]:
-        """The next loadable sample after `index` in its bucket, so a batch of bad samples still yields one."""
+    def replacement_for(
+        self, index: int, skipped: list[SkippedSample], damaged: Collection[int] = ()
+    ) -> tuple[Sample, OpenPayload]:
+        """The next loadable sample after `index` in its bucket, so a batch of bad samples still yields one.
+
+        `damaged` are samples this batch already found damaged, which are passed over.
+        """
         if self._members is None:
             self._members = self.index.bucket_members()
         members = self._members[int(self.index.bucket_ids[index])]
         start = int(np.searchsorted(members, index))
         for offset in range(1, len(members)):
             candidate = int(members[(start + offset) % len(members)])
+            if candidate in damaged:
+                continue
             try:
                 return self.open_sample(candidate)
             except validate.CacheFormatError as error:
@@ -159,6 +196,10 @@ class ImageEditDataset(Dataset):
     def prefetcher(self, in_flight: int) -> ShardPrefetcher | None:
         """What fetches ahead of the loader for this cache's layout (see `PayloadReader.prefetcher`)."""
         return self.reader.prefetcher(in_flight)
+
+    def close(self) -> None:
+        """Close the files this dataset keeps open in this process (a packed cache's shards); it reopens them on use."""
+        self.reader.close()
 
     @property
     def signatures(self) -> tuple[Signature, ...]:
@@ -217,6 +258,72 @@ def kept_or_replaced(
     if not opened:
         opened.append(replacement(skipped))
     return opened, skipped
+
+
+Replacement = Callable[[list[SkippedSample], Collection[int]], tuple[Sample, OpenPayload]]
+
+
+def assembled(
+    opened: list[tuple[Sample, OpenPayload]],
+    skipped: list[SkippedSample] | None,
+    position: tuple[int, int] | None,
+    policy: CorruptPolicy,
+    skip: Callable[[int, CacheFormatError], SkippedSample],
+    replacement: Replacement,
+    sources: list[str] | None = None,
+    replacement_source: str | None = None,
+) -> AssembledBatch:
+    """The batch of `opened`, each packed member checked as it is read; damage confirmed by a re-read counts.
+
+    A member whose bytes did not match its checksum is read again whole: bytes that match now take
+    its place in the batch; a second mismatch is the sample's error, raised under "raise". Under
+    "skip" it is recorded (`skip(row, error)`: row `row` of `opened`) and the batch is assembled
+    again without it (a bucket's next good sample, from `replacement`, when none is left).
+    Replacements are appended to `opened` (and `replacement_source` to `sources`), for the caller to close.
+    """
+    rows = list(range(len(opened)))
+    damaged: set[int] = set()  # sample indices this batch found damaged
+    while True:
+        samples = [opened[row][0] for row in rows]
+        built = assemble(
+            samples,
+            checks=[opened[row][1].check for row in rows],
+            position=position,
+            skipped=skipped,
+            sources=None if sources is None else [sources[row] for row in rows],
+        )
+        confirmed: dict[int, CacheFormatError] = {}
+        for mismatch in built.mismatches:
+            member = mismatch.check.confirmed()
+            if isinstance(member, CacheFormatError):
+                confirmed[rows[mismatch.row]] = member
+            else:
+                built.patch(mismatch, member)
+        if not confirmed:
+            return AssembledBatch(built.batch, samples)
+        built.discard()
+        if policy == "raise" or skipped is None:
+            raise next(iter(confirmed.values()))
+        for row, error in confirmed.items():
+            skipped.append(skip(row, error))
+            damaged.add(int(opened[row][0]["sample_index"]))
+        rows = [row for row in rows if row not in confirmed]
+        if not rows:
+            opened.append(replacement(skipped, damaged))
+            if sources is not None:
+                sources.append(replacement_source or "")
+            rows = [len(opened) - 1]
+
+
+def refuse_unchecked(index: CacheIndex, cache: object) -> None:
+    """Refuse a cache whose reads no member checksum checks (`require_checksums`), naming it."""
+    if index.member_checksum is not None:
+        return
+    if index.packed:
+        why = "it was packed before member checksums existed; `image-edit-data cache pack` it again to add them"
+    else:
+        why = "it stores one file per sample, which has none; `image-edit-data cache pack` it into shards that do"
+    raise ValueError(f"{cache}: require_checksums is set, but this cache has no member checksums ({why})")
 
 
 def close_all(opened: Sequence[Opening]) -> None:

@@ -8,18 +8,18 @@ Sources that could never share a batch are refused when the mixture opens (`chec
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from .batch.collate import AssembledBatch, collate_image_edit
+from .batch.collate import AssembledBatch
 from .contract import validate
 from .contract.batch import EDIT_MASK, Sample, SkippedSample
 from .contract.signature import Signature, sort_key
-from .dataset import ImageEditDataset, Opening, close_all, kept_or_replaced, plan_position
+from .dataset import ImageEditDataset, Opening, assembled, close_all, kept_or_replaced, plan_position
 from .payload.payload import OpenPayload
 from .storage.location import RemoteRead
 from .storage.prefetch import ShardPrefetcher
@@ -167,10 +167,21 @@ class MixtureDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> AssembledBatch:
         """Load one batch as `ImageEditDataset.__getitems__` does; its metadata also names each sample's source."""
         opened, names, skipped = self.open_batch([self.checked_index(i) for i in indices])
+        first_source, first_local = self.locate(self.checked_index(indices[0]))
+
+        def skip(row: int, error: validate.CacheFormatError) -> SkippedSample:
+            source, local = self.locate(int(opened[row][0]["sample_index"]))
+            return self.in_mixture(source, self.sources[source].skips.record(local, error))  # type: ignore[no-any-return]
+
+        def replacement(found: list[SkippedSample], damaged: Collection[int]) -> tuple[Sample, OpenPayload]:
+            offset = int(self.offsets[first_source])
+            return self.replacement(first_source, first_local, found, [i - offset for i in damaged])
+
         try:
-            samples = [sample for sample, _ in opened]
-            batch = collate_image_edit(samples, position=plan_position(indices), skipped=skipped, sources=names)
-            return AssembledBatch(batch, samples)
+            policy = self.sources[0].skips.policy
+            return assembled(
+                opened, skipped, plan_position(indices), policy, skip, replacement, names, self.names[first_source]
+            )
         finally:
             close_all(opened)
 
@@ -197,16 +208,27 @@ class MixtureDataset(Dataset):
         first_source, first_local = located[0]
 
         def replacement(skipped: list[SkippedSample]) -> tuple[Sample, OpenPayload]:
-            found: list[SkippedSample] = []
-            sample, payload = self.sources[first_source].replacement_for(first_local, found)
-            skipped += [self.in_mixture(first_source, entry) for entry in found]
-            return self.in_mixture(first_source, sample), payload
+            return self.replacement(first_source, first_local, skipped)
 
         policy = self.sources[0].skips.policy  # one policy for every source: the config's
         opened_samples, skipped = kept_or_replaced(results, policy, replacement)  # type: ignore[arg-type]
         kept = [source for (source, _), result in zip(located, results) if isinstance(result, tuple)]
         names = [self.names[source] for source in (kept or [first_source])]
         return opened_samples, names, skipped
+
+    def replacement(
+        self, source: int, local: int, skipped: list[SkippedSample], damaged: Collection[int] = ()
+    ) -> tuple[Sample, OpenPayload]:
+        """A replacement for a batch left empty: the sample after `local` in its bucket of `source`, in mixture ids."""
+        found: list[SkippedSample] = []
+        sample, payload = self.sources[source].replacement_for(local, found, damaged)
+        skipped += [self.in_mixture(source, entry) for entry in found]
+        return self.in_mixture(source, sample), payload
+
+    def close(self) -> None:
+        """Close the files every source keeps open in this process."""
+        for source in self.sources:
+            source.close()
 
     def in_mixture(self, source: int, item: Any) -> Any:
         """A source's sample or skip entry, its index renumbered as the mixture's."""

@@ -4,9 +4,8 @@ In the training process it is ordinary memory from a small pool, filled with `pr
 -> buffer) and memcpy. In a loader worker it is a block of the worker's shared-memory ring, filled
 the same way, or a one-off shared block while every ring block is still held. Only public torch
 API: `torch.frombuffer` and `share_memory_()` (an interleaved A/B found no gain in torch's private
-shared-memory calls or a `sendfile`-filled one-off block; docs/performance.md). In the training
-process a big batch's files are read by two threads when the process may use two cores: one
-thread's kernel copy out of the page cache falls well short of the memory bandwidth.
+shared-memory calls or a `sendfile`-filled one-off block; docs/performance.md). What is copied
+where, and by how many threads, is `fill.py`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -24,9 +22,6 @@ from ..contract.file_tensor import FileTensor, read_into
 from .shared_ring import Lease, shared_bytes, worker_ring
 
 Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
-# Handing files to a second thread costs a thread wake-up and GIL hand-offs; for smaller batches that
-# eats what the second copy saves (interleaved runs, docs/read-path.md).
-PARALLEL_READ_MIN_BYTES = 8 << 20
 
 
 class BufferPool:
@@ -100,41 +95,6 @@ class BatchBuffer:
         data = memoryview(source.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         self.view[start : start + len(data)] = data
 
-    def read_files(self, files: Sequence[Sequence[Part]]) -> None:
-        """Read every file's tensors into their places; two files at a time in the training process.
-
-        The helper thread reads about half the bytes while this thread reads the rest; both copies
-        run in the kernel without the GIL. In a worker the other workers already keep the cores busy.
-        """
-        big = len(files) > 1 and sum(_file_bytes(parts) for parts in files) >= PARALLEL_READ_MIN_BYTES
-        helper = _second_reader() if big and not self.shared else None
-        if helper is None:
-            self.read_each(files)
-            return
-        mine, theirs = halves_by_bytes(files)
-        pending: Future[None] = helper.submit(self.read_each, theirs)
-        try:
-            self.read_each(mine)
-        finally:
-            wait([pending])  # the helper must be done with the buffer before anyone reuses it
-        pending.result()
-
-    def read_each(self, files: Sequence[Sequence[Part]]) -> None:
-        """Read several files' tensors into their places, one file after another."""
-        for parts in files:
-            self.read(parts)
-
-    def read(self, parts: Sequence[Part]) -> None:
-        """Read one file's tensors (sorted by file offset) into their places."""
-        run: list[Part] = []
-        for part in parts:
-            if run and run[-1][0] + run[-1][2].nbytes != part[0]:
-                self.read_run(run)
-                run = []
-            run.append(part)
-        if run:
-            self.read_run(run)
-
     def read_run(self, run: Sequence[Part]) -> None:
         """Scatter one contiguous byte range of a file into the tensors' places: one `preadv`."""
         first = run[0][2]
@@ -143,40 +103,6 @@ class BatchBuffer:
             return
         for _, start, tensor in run:  # a short read (signal, or the file changed): finish part by part
             read_into(tensor.descriptor, tensor.offset, self.view[start : start + tensor.nbytes], tensor.display)
-
-
-def halves_by_bytes(files: Sequence[Sequence[Part]]) -> tuple[list[Sequence[Part]], list[Sequence[Part]]]:
-    """Split files into two groups of about equal bytes (largest first, each to the lighter group)."""
-    groups: tuple[list[Sequence[Part]], list[Sequence[Part]]] = ([], [])
-    loads = [0, 0]
-    for nbytes, parts in sorted(((_file_bytes(p), p) for p in files), key=lambda sized: -sized[0]):
-        lighter = 0 if loads[0] <= loads[1] else 1
-        groups[lighter].append(parts)
-        loads[lighter] += nbytes
-    return groups
-
-
-def _file_bytes(parts: Sequence[Part]) -> int:
-    """Bytes one file's tensors take."""
-    return sum(tensor.nbytes for _, _, tensor in parts)
-
-
-_READER: tuple[int, ThreadPoolExecutor] | None = None
-_READER_LOCK = threading.Lock()
-
-
-def _second_reader() -> ThreadPoolExecutor | None:
-    """The one helper thread that reads files beside the calling thread, or None on a single core.
-
-    Made per process: a forked child inherits the executor but not its thread.
-    """
-    global _READER
-    if usable_cores() < 2:
-        return None
-    with _READER_LOCK:
-        if _READER is None or _READER[0] != os.getpid():
-            _READER = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="image-edit-data-read"))
-        return _READER[1]
 
 
 def usable_cores() -> int:

@@ -1,11 +1,12 @@
 """Assemble one bucket's samples into a batch: every tensor copied once into one buffer, prompts zero-padded.
 
 A batch's tensors are views of one flat byte buffer (`BatchBuffer`). Sample tensors are either
-`FileTensor`s still in their payload file, which the kernel copies straight into their place in
-the buffer, or in memory (mapped `.pt` tensors that are not plain byte ranges, samples built by
-hand). In a loader worker the buffer is shared memory, and the batch crosses to the training
-process as that one buffer plus where each tensor lies in it (`SharedBatch`), instead of one
-shared-memory hand-off per tensor.
+`FileTensor`s still in their payload file (or in fetched bytes), which are copied straight into
+their place in the buffer, packed members' checksums computed in the same pass (`fill.py`), or
+in memory (mapped `.pt` tensors that are not plain byte ranges, samples built by hand). In a
+loader worker the buffer is shared memory, and the batch crosses to the training process as that
+one buffer plus where each tensor lies in it (`SharedBatch`), instead of one shared-memory
+hand-off per tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch.utils.data import get_worker_info
 
 from ..contract.batch import EDIT_MASK, Batch, BatchMetadata, Sample, SkippedSample
 from ..contract.file_tensor import FileTensor
+from ..payload.member_check import Buffer, MemberCheck
 from .buffer import BatchBuffer
+from .fill import Mismatch, Placed, fill_rows
 from .shared_batch import SharedBatch
 
 ALIGNMENT = 64  # every batch tensor starts on a cache line, so typed views of the buffer are aligned
@@ -52,6 +55,36 @@ def collate_image_edit(
     """
     if isinstance(samples, AssembledBatch):
         return samples.batch
+    return assemble(samples, position=position, skipped=skipped, sources=sources).batch
+
+
+@dataclass
+class Assembly:
+    """A batch just assembled, with the rows whose member checksums did not match as read."""
+
+    batch: Batch
+    buffer: BatchBuffer
+    mismatches: list[Mismatch]
+
+    def patch(self, mismatch: Mismatch, member: Buffer) -> None:
+        """Replace a row's member tensors with the member's bytes read again, which matched its checksum."""
+        mismatch.patch(self.buffer, member)
+
+    def discard(self) -> None:
+        """Give the batch's memory back unsent (the batch is assembled again without a damaged row)."""
+        if self.buffer.lease is not None:
+            self.buffer.lease.cancel()
+
+
+def assemble(
+    samples: Sequence[Sample],
+    *,
+    checks: Sequence[MemberCheck | None] | None = None,
+    position: tuple[int, int] | None = None,
+    skipped: list[SkippedSample] | None = None,
+    sources: Sequence[str] | None = None,
+) -> Assembly:
+    """`collate_image_edit`, also checking each sample's member checksum (`checks`, one per sample) as it is read."""
     if not samples:
         raise ValueError("cannot collate an empty batch")
     if sources is not None and len(sources) != len(samples):
@@ -61,7 +94,7 @@ def collate_image_edit(
     buffer = BatchBuffer(nbytes, shared=get_worker_info() is not None)
     tensors = [place(buffer.tensor, offset, field) for field, offset in zip(fields, offsets)]
     try:
-        fill(buffer, offsets, fields)
+        mismatches = fill(buffer, offsets, fields, checks or [None] * len(samples))
     except BaseException:
         if buffer.lease is not None:
             buffer.lease.cancel()
@@ -69,11 +102,11 @@ def collate_image_edit(
     batch = _batch_dict(samples, fields, tensors, position, skipped)
     if sources is not None:
         batch["metadata"]["sources"] = list(sources)
-    if not buffer.shared:
-        return batch
-    # A dict at run time: the batch, handed to the training process through its one shared buffer.
-    shared = SharedBatch(cast(dict[str, Any], batch), buffer.tensor, buffer.lease, placed_keys={f.key for f in fields})
-    return cast(Batch, shared)
+    if buffer.shared:
+        # A dict at run time: the batch, handed to the training process through its one shared buffer.
+        placed_keys = {f.key for f in fields}
+        batch = cast(Batch, SharedBatch(cast(dict[str, Any], batch), buffer.tensor, buffer.lease, placed_keys))
+    return Assembly(batch, buffer, mismatches)
 
 
 def _batch_fields(samples: Sequence[Sample]) -> list[_Field]:
@@ -186,13 +219,16 @@ def place(buffer: torch.Tensor, offset: int, field: _Field) -> torch.Tensor:
     return buffer[offset : offset + nbytes].view(field.dtype).view(field.shape)
 
 
-def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[_Field]) -> None:
-    """Copy every sample's part of every field into the buffer, zero-padding short prompt rows.
+def fill(
+    buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[_Field], checks: Sequence[MemberCheck | None]
+) -> list[Mismatch]:
+    """Copy every sample's part of every field into the buffer, zero-padding short prompt rows; the rows that mismatch.
 
-    Parts still in a file are collected per file and read in file order, so the contiguous tensors
-    of one safetensors payload arrive with one system call.
+    Each sample is filled as one row (`fill.py`): its tensors still in a file are read in file
+    order, so the contiguous tensors of one safetensors payload arrive with one system call, and
+    its member checksum is computed as they arrive.
     """
-    reads: dict[int, list[tuple[int, int, FileTensor]]] = {}
+    rows: list[list[Placed]] = [[] for _ in checks]
     for field, offset in zip(fields, offsets):
         row_bytes = _field_bytes(field) // max(1, field.shape[0])
         for row, source in enumerate(field.sources):
@@ -200,13 +236,9 @@ def fill(buffer: BatchBuffer, offsets: Sequence[int], fields: Sequence[_Field]) 
             count = source.nbytes if isinstance(source, FileTensor) else source.numel() * source.element_size()
             if count < row_bytes:
                 buffer.zero(start + count, start + row_bytes)
-            if count == 0:
-                continue
-            if isinstance(source, FileTensor):
-                reads.setdefault(source.descriptor, []).append((source.offset, start, source))
-            else:
-                buffer.copy(start, source)
-    buffer.read_files([sorted(parts, key=lambda part: part[0]) for parts in reads.values()])
+            if count:
+                rows[row].append((start, source))
+    return fill_rows(buffer, rows, checks)
 
 
 def _batch_dict(

@@ -55,6 +55,10 @@ class MemberCheck:
         """Member bytes `[start, end)` (offsets in its file or fetched bytes) that the batch does not hold."""
         raise NotImplementedError
 
+    def held(self, offset: int, nbytes: int) -> memoryview:
+        """The first bytes of `[offset, offset + nbytes)` that this check already holds in memory (maybe none)."""
+        return memoryview(b"")
+
     def reread(self) -> Buffer:
         """The whole member, read afresh."""
         raise NotImplementedError
@@ -100,6 +104,10 @@ class FileMember(MemberCheck):
         super().__init__(expected, display, source, base, length)
         self.descriptor = descriptor
         self.head = head
+
+    def held(self, offset: int, nbytes: int) -> memoryview:
+        start = offset - self.base
+        return memoryview(self.head)[start : start + nbytes] if start >= 0 else memoryview(b"")
 
     def span(self, start: int, end: int) -> Buffer:
         cached = self.base + len(self.head)

@@ -51,19 +51,29 @@ class OpenPayload:
     tensors that torch's weights-only loader mapped from it or read into memory. `check` is the
     member checksum still to compare (packed members), which the batch computes as it reads the
     tensors (`batch/fill.py`); `descriptor` is the file this payload owns (None: none, or one its
-    reader keeps open for many payloads).
+    reader keeps open for many payloads, which `release` then tells when this payload is closed).
     """
 
-    def __init__(self, fields: dict[str, Any], descriptor: int | None = None, check: MemberCheck | None = None) -> None:
+    def __init__(
+        self,
+        fields: dict[str, Any],
+        descriptor: int | None = None,
+        check: MemberCheck | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         self.fields = fields
         self.descriptor = descriptor
         self.check = check
+        self.release = release  # tells a shared descriptor's keeper that this payload is done with it
 
     def close(self) -> None:
         """Close the payload file (a no-op for mapped `.pt` tensors, whose mapping lives as long as they do)."""
         if self.descriptor is not None:
             os.close(self.descriptor)
             self.descriptor = None
+        if self.release is not None:
+            self.release()
+            self.release = None
 
     def __enter__(self) -> OpenPayload:
         return self
@@ -114,13 +124,15 @@ def open_member(
     checksum: int | None = None,
     source: str = "",
     owned: bool = False,
+    release: Callable[[], None] | None = None,
 ) -> OpenPayload:
     """The safetensors payload at `member` = `(offset, length)` of an open file, its header read and checked.
 
-    With `owned` the payload closes `descriptor` when it is closed (the caller closes it if this
-    raises); otherwise the descriptor stays the caller's, shared by many payloads. A member whose
-    header cannot be parsed is read again whole when it has a `checksum`: damage the checksum
-    confirms is reported as such, and intact bytes (the first read was not) are parsed from memory.
+    With `owned` the payload closes `descriptor` when it is closed; otherwise the descriptor stays
+    the caller's, shared by many payloads, and `release` (if given) is called when the payload is
+    closed. If this raises, the caller still holds both. A member whose header cannot be parsed is
+    read again whole when it has a `checksum`: damage the checksum confirms is reported as such, and
+    intact bytes (the first read was not) are parsed from memory.
     """
     base, size = member
     if size == 0:
@@ -135,9 +147,12 @@ def open_member(
         if checksum is None:
             raise
         fresh = confirmed_or_raise(FileMember(checksum, display, source, descriptor, base, size, b""))
-        return OpenPayload(payload_from_bytes(fresh, display).fields, kept)  # checked already
+        return OpenPayload(payload_from_bytes(fresh, display).fields, kept, None, release)  # checked already
     return OpenPayload(
-        fields, kept, None if checksum is None else FileMember(checksum, display, source, descriptor, base, size, head)
+        fields,
+        kept,
+        None if checksum is None else FileMember(checksum, display, source, descriptor, base, size, head),
+        release,
     )
 
 

@@ -6,23 +6,30 @@ needs (only remote packed caches with a shard cache have one). `CacheLocation.op
 reader: one file per sample or tar shards, on local disk (here) or at a URL (`remote_reader.py`).
 
 Every read of a packed member is checked against its recorded checksum (index/packed.py) when the
-cache has them: the member's bytes are hashed once, where the reader has them (one `pread` of the
-member from a local shard, whose tensors the batch then reads from the page cache).
+cache has them: the payload carries the check (`payload/member_check.py`) and the batch computes
+it in the same pass that copies the member's tensors (`batch/fill.py`), so each byte is read once.
+A local packed cache keeps one descriptor per shard in each process (`ShardFiles`), opened and
+checked against the manifest once, instead of an open, stat and close per sample.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import resource
 import tempfile
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..contract.paths import ContainedOpener
 from ..errors import CacheFormatError, fail
 from ..index.index import CacheIndex
-from ..index.packed import check_member_bytes
-from ..payload.payload import OpenPayload, open_payload
+from ..index.packed import ShardInfo
+from ..payload.payload import OpenPayload, open_member, open_payload
 from .prefetch import ShardPrefetcher
 from .remote import RemoteStore
 from .shard_cache import ShardCache
@@ -67,6 +74,9 @@ class PayloadReader:
         """What fetches ahead of the loader for this layout, given the batches that may be in flight (None: nothing)."""
         return None
 
+    def close(self) -> None:
+        """Close what this reader keeps open in this process (payloads opened from it must be closed first)."""
+
 
 class LocalFilesReader(PayloadReader):
     """One payload file per sample under a local cache directory (NeMo Automodel's layout)."""
@@ -84,20 +94,120 @@ class LocalFilesReader(PayloadReader):
 
 
 class LocalPackedReader(PayloadReader):
-    """Members of tar shards on local disk, each checked against its checksum."""
+    """Members of tar shards on local disk, each checked against its checksum as the batch reads it."""
+
+    def __init__(self, index: CacheIndex) -> None:
+        super().__init__(index)
+        self.files = ShardFiles(self.opener, index.shards)
 
     def display(self, idx: int) -> str:
         return f"{self.index.shards[self.index.member(idx)[0]].path}[{self.index.relative_path(idx)}]"
 
     def open(self, idx: int) -> OpenPayload:
         number, offset, length = self.index.member(idx)
-        shard = self.index.shards[number]
+        path, descriptor = self.files.take(number)
+        try:
+            source = f"read from {path}"
+            release = functools.partial(self.files.give_back, number)
+            return open_member(
+                descriptor, self.display(idx), (offset, length), self.index.checksum(idx), source, release=release
+            )
+        except BaseException:
+            self.files.give_back(number)
+            raise
+
+    def close(self) -> None:
+        self.files.close()
+
+
+class ShardFiles:
+    """One open descriptor per shard of a local packed cache in this process, opened and size-checked once.
+
+    Every member read of a shard shares its descriptor (`pread` needs no file position) instead of
+    opening, stating and closing the shard per sample. Payloads `take` a shard's descriptor and
+    `give_back` when closed; past `limit` open shards the least recently used one that no payload
+    holds is closed. Not pickled: each process (each loader worker) opens its own. A shard replaced
+    after it was opened is still read as it was when opened, which is what its index describes.
+    """
+
+    def __init__(self, opener: ContainedOpener, shards: tuple[ShardInfo, ...], limit: int | None = None) -> None:
+        self.opener = opener
+        self.shards = shards
+        self.limit = limit or open_file_budget()
+        self.lock = threading.Lock()
+        self.open_files: OrderedDict[int, tuple[str, int]] = OrderedDict()  # shard -> (path, descriptor), LRU order
+        self.holders: dict[int, int] = {}  # shard -> payloads holding its descriptor
+        self._finalizer = weakref.finalize(self, close_descriptors, self.open_files)
+
+    def take(self, number: int) -> tuple[str, int]:
+        """Shard `number` open (path, descriptor), held until `give_back`; refused if its size is not the manifest's."""
+        with self.lock:
+            found = self.open_files.get(number)
+            if found is None:
+                found = self.open_files[number] = self.opened(number)
+            else:
+                self.open_files.move_to_end(number)
+            self.holders[number] = self.holders.get(number, 0) + 1
+            self.evict()
+            return found
+
+    def give_back(self, number: int) -> None:
+        """A payload is done with shard `number`'s descriptor."""
+        with self.lock:
+            left = self.holders[number] - 1
+            if left:
+                self.holders[number] = left
+            else:
+                del self.holders[number]
+
+    def opened(self, number: int) -> tuple[str, int]:
+        """Open shard `number` and check its size against the manifest."""
+        shard = self.shards[number]
         try:
             path, descriptor, info = self.opener.open(shard.path, shard.path)
         except OSError as error:
             fail(shard.path, "file", f"cannot be read: {error.strerror or error}")
-        display, expected = self.display(idx), self.index.checksum(idx)
-        return open_checked(path, descriptor, info, shard.nbytes, shard.path, display, (offset, length), expected)
+        if info.st_size != shard.nbytes:
+            os.close(descriptor)
+            fail(
+                shard.path,
+                "bytes",
+                f"shard is {info.st_size} bytes, the manifest says {shard.nbytes} (truncated or replaced)",
+            )
+        return path, descriptor
+
+    def evict(self) -> None:
+        """Close the least recently used shards no payload holds, down to `limit` open."""
+        for number in list(self.open_files):
+            if len(self.open_files) <= self.limit:
+                return
+            if number not in self.holders:
+                os.close(self.open_files.pop(number)[1])
+
+    def close(self) -> None:
+        """Close every shard (payloads still holding one must be closed first)."""
+        with self.lock:
+            close_descriptors(self.open_files)
+            self.holders.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"opener": self.opener, "shards": self.shards, "limit": self.limit}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["opener"], state["shards"], state["limit"])  # type: ignore[misc]
+
+
+def close_descriptors(open_files: OrderedDict[int, tuple[str, int]]) -> None:
+    """Close every descriptor in `open_files` and forget them."""
+    while open_files:
+        _, (_, descriptor) = open_files.popitem()
+        os.close(descriptor)
+
+
+def open_file_budget() -> int:
+    """How many shards a reader keeps open: a quarter of this process's open-file limit, at most 256."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(4, min(256, soft // 4)) if soft != resource.RLIM_INFINITY else 256
 
 
 def collect(openers: Sequence[Callable[[], OpenPayload]]) -> list[Opened]:
@@ -154,18 +264,14 @@ def open_checked(
     member: tuple[int, int],
     checksum: int | None = None,
 ) -> OpenPayload:
-    """Open a member of a local shard after checking the shard's size against the manifest and the member's checksum."""
+    """Open a member of a local shard (owning `descriptor`) after checking the shard's size against the manifest.
+
+    The member's checksum travels with the payload and is checked as the batch reads its tensors.
+    """
     try:
         if info.st_size != size:
             fail(shard, "bytes", f"shard is {info.st_size} bytes, the manifest says {size} (truncated or replaced)")
-        if checksum is not None:
-            offset, length = member
-            try:
-                data = os.pread(descriptor, length, offset)
-            except OSError as error:
-                fail(display, "file", f"cannot be read: {error.strerror or error}")
-            check_member_bytes(data, checksum, display, f"read from {path}")
+        return open_member(descriptor, display, member, checksum, f"read from {path}", owned=True)
     except BaseException:
         os.close(descriptor)
         raise
-    return open_payload(path, display, (descriptor, info), member)

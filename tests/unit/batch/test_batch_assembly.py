@@ -16,14 +16,14 @@ import torch.multiprocessing
 from support.caches import make_payload, write_cache
 from torch.utils.data import DataLoader
 
-import image_edit_data.batch.buffer as batch_buffer_module
 import image_edit_data.batch.collate as collate_module
+import image_edit_data.batch.fill as fill_module
 import image_edit_data.batch.shared_batch as shared_batch_module
 from image_edit_data import CacheFormatError, ImageEditDataloaderConfig, ImageEditDataset, collate_image_edit
-from image_edit_data.batch.buffer import BatchBuffer, BufferPool, halves_by_bytes
+from image_edit_data.batch.buffer import BatchBuffer, BufferPool
+from image_edit_data.batch.fill import halves_by_bytes
 from image_edit_data.batch.shared_batch import SharedBatch
 from image_edit_data.batch.shared_ring import CAPACITY, RECEIVED
-from image_edit_data.contract.file_tensor import FileTensor
 from image_edit_data.payload.torch_save.torch_zip import zip_entries
 
 CONDITIONING = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
@@ -192,20 +192,20 @@ def test_batches_read_by_two_threads_equal_batches_read_by_one(
 ) -> None:
     root = write_cache(tmp_path, payloads(), suffix=suffix)
     serial = batches(root, num_workers=0)
-    helper_files: list[int] = []
-    read_each = BatchBuffer.read_each
+    helper_rows: list[int] = []
+    fill_each = fill_module._fill_each
 
-    def noting_read_each(self: BatchBuffer, files: list) -> None:
+    def noting_fill_each(buffer: BatchBuffer, order: list[int], *rest: object) -> list:
         if threading.current_thread().name.startswith("image-edit-data-read"):
-            helper_files.append(len(files))
-        read_each(self, files)
+            helper_rows.append(len(order))
+        return fill_each(buffer, order, *rest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(batch_buffer_module, "PARALLEL_READ_MIN_BYTES", 1)
-    monkeypatch.setattr(batch_buffer_module, "usable_cores", lambda: 2)  # as on any machine with two cores
-    monkeypatch.setattr(BatchBuffer, "read_each", noting_read_each)
+    monkeypatch.setattr(fill_module, "PARALLEL_READ_MIN_BYTES", 1)
+    monkeypatch.setattr(fill_module, "usable_cores", lambda: 2)  # as on any machine with two cores
+    monkeypatch.setattr(fill_module, "_fill_each", noting_fill_each)
     monkeypatch.setattr(collate_module, "BatchBuffer", DirtyBuffer)
     parallel = batches(root, num_workers=0)
-    assert len(helper_files) == 2 and all(1 <= n <= 2 for n in helper_files)  # of each batch's 3 files
+    assert len(helper_rows) == 2 and all(1 <= n <= 2 for n in helper_rows)  # of each batch's 3 samples
     for a, b in zip(serial, parallel, strict=True):
         assert_same_batch(a, b)
 
@@ -215,8 +215,8 @@ def test_a_file_that_fails_in_either_reader_thread_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, broken: int
 ) -> None:
     root = write_cache(tmp_path, payloads(2), suffix=".safetensors")
-    monkeypatch.setattr(batch_buffer_module, "PARALLEL_READ_MIN_BYTES", 1)
-    monkeypatch.setattr(batch_buffer_module, "usable_cores", lambda: 2)
+    monkeypatch.setattr(fill_module, "PARALLEL_READ_MIN_BYTES", 1)
+    monkeypatch.setattr(fill_module, "usable_cores", lambda: 2)
     dataset = ImageEditDataset(root)
     opened = [dataset.open_sample(0), dataset.open_sample(1)]
     try:
@@ -275,12 +275,8 @@ def test_zip_sizes_read_from_the_central_directory_match_zipfile(tmp_path: Path)
     assert central_total(saved.getvalue()[:-5], tmp_path) is None
 
 
-def test_files_are_split_between_the_two_readers_by_bytes() -> None:
-    def file_of(nbytes: int) -> list:
-        return [(0, 0, FileTensor((nbytes,), torch.uint8, -1, 0, nbytes, "f"))]
-
-    files = [file_of(n) for n in (10, 70, 20, 30, 40)]
-    mine, theirs = halves_by_bytes(files)
-    sums = sorted(sum(part[2].nbytes for parts in group for part in parts) for group in (mine, theirs))
-    assert sums == [80, 90]
-    assert sorted(id(f) for f in mine + theirs) == sorted(id(f) for f in files)
+def test_rows_are_split_between_the_two_readers_by_bytes() -> None:
+    sizes = [10, 70, 20, 30, 40]
+    mine, theirs = halves_by_bytes(range(len(sizes)), sizes)
+    assert sorted(sum(sizes[row] for row in group) for group in (mine, theirs)) == [80, 90]
+    assert sorted(mine + theirs) == list(range(len(sizes)))
