@@ -105,6 +105,8 @@ class ImageEditDataloaderConfig:
     """Node-local directory for remote index copies and cached shards (default: the user cache directory)."""
     shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES
     """Byte budget of the local shard cache (at least the largest shard)."""
+    require_checksums: bool = False
+    """Refuse a cache whose reads no member checksum checks (one packed before checksums, or one file per sample)."""
     shard_window: int = 0
     """Packed caches: shuffle shards, and samples only within this many shards, for local reads (0: whole bucket)."""
     sources: list[CacheSource] | None = None
@@ -154,11 +156,14 @@ class ImageEditDataloaderConfig:
             if self.quarantine_file and len(self.sources) > 1:  # one list per source: indices are per cache
                 path = Path(self.quarantine_file)
                 quarantine = path.with_name(f"{path.stem}.{name}{path.suffix}")
-            opened.append(self.open_location(self.location(source=source), quarantine))
+            require = self.require_checksums if source.require_checksums is None else source.require_checksums
+            opened.append(self.open_location(self.location(source=source), quarantine, require))
         return MixtureDataset(opened, names, [s.weight for s in self.sources])
 
-    def open_location(self, location: CacheLocation, quarantine: Path | None = None) -> ImageEditDataset:
-        """Open one cache with this config's corrupt-sample policy."""
+    def open_location(
+        self, location: CacheLocation, quarantine: Path | None = None, require_checksums: bool | None = None
+    ) -> ImageEditDataset:
+        """Open one cache with this config's corrupt-sample policy (and checksum requirement, unless given)."""
         if quarantine is None:
             quarantine = Path(self.quarantine_file) if self.quarantine_file else location.quarantine_default()
         return ImageEditDataset(
@@ -167,15 +172,17 @@ class ImageEditDataloaderConfig:
             on_corrupt_sample=self.on_corrupt_sample,
             max_corrupt_fraction=self.max_corrupt_fraction,
             quarantine_file=quarantine,
+            require_checksums=self.require_checksums if require_checksums is None else require_checksums,
         )
 
     def mixture_of(self, dataset: ImageEditDataset | MixtureDataset) -> Mixture | None:
         """How an epoch draws from `dataset`'s sources, or None when it reads every sample once."""
         if isinstance(dataset, MixtureDataset):
-            weights, names = tuple(dataset.weights), tuple(dataset.names)
-            mixture = Mixture(dataset.sizes, weights, self.samples_per_epoch, dataset.fingerprints, names)
+            weights, names, unchecked = tuple(dataset.weights), tuple(dataset.names), dataset.unchecked
+            mixture = Mixture(dataset.sizes, weights, self.samples_per_epoch, dataset.fingerprints, names, unchecked)
         else:
-            mixture = Mixture((len(dataset),), (1.0,), self.samples_per_epoch, (dataset.index.fingerprint,))
+            fingerprints, unchecked = (dataset.index.fingerprint,), (dataset.index.unchecked,)
+            mixture = Mixture((len(dataset),), (1.0,), self.samples_per_epoch, fingerprints, (), unchecked)
         return None if mixture.reads_each_sample_once else mixture
 
     def build(self, *, dp_rank: int, dp_world_size: int, batch_size: int) -> DiffusionDataloaderBuild:
@@ -210,9 +217,10 @@ class ImageEditDataloaderConfig:
         )
         if isinstance(dataset, MixtureDataset):
             members, shard_of, fingerprint = dataset.bucket_members(), dataset.member_shard(), dataset.fingerprints[0]
+            unchecked = dataset.unchecked[0]
         else:
             members, shard_of = dataset.index.bucket_members(), dataset.index.member_shard
-            fingerprint = dataset.index.fingerprint
+            fingerprint, unchecked = dataset.index.fingerprint, dataset.index.unchecked
         sampler_class = EvalBatchSampler if evaluation else BucketBatchSampler
         sampler = sampler_class(
             bucket_members=members,
@@ -225,6 +233,7 @@ class ImageEditDataloaderConfig:
             bucket_order=self.bucket_order,
             epoch=epoch,
             data_fingerprint=fingerprint,
+            unchecked=unchecked,
             elastic=self.elastic,
             shard_of=shard_of,
             shard_window=self.shard_window,

@@ -27,9 +27,11 @@ from .storage.reader import Opened, PayloadReader
 class ImageEditDataset(Dataset):
     """Samples of a cached image-edit data set, in index order.
 
-    `dataset[i]` loads payload `i` (weights-only), checks it against the contract and its index
-    record, and returns the sample dict (`contract.batch.Sample`: `target_latent`, `context_latents`,
-    `prompt_embeddings`, `prompt_attention_mask`, `conditioning_tensors`, `metadata`, `sample_index` = `i`).
+    `dataset[i]` loads payload `i` (weights-only), checks it against the contract, its index
+    record and (packed caches) its member checksum, and returns the sample dict
+    (`contract.batch.Sample`: `target_latent`, `context_latents`, `prompt_embeddings`,
+    `prompt_attention_mask`, `conditioning_tensors`, `metadata`, `sample_index` = `i`).
+    `require_checksums` refuses a cache whose reads no member checksum would check.
     """
 
     def __init__(
@@ -60,7 +62,7 @@ class ImageEditDataset(Dataset):
         self.index: CacheIndex
         self.reader: PayloadReader
         self.index, self.reader = self.location.open(use_store=use_index_store)
-        if require_checksums:
+        if require_checksums:  # refuse data whose reads no checksum checks
             refuse_unchecked(self.index, self.cache_dir)
         self.skips = SkipLog(
             on_corrupt_sample, max_corrupt_fraction, len(self.index), Path(quarantine_file) if quarantine_file else None

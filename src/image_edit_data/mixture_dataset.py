@@ -43,6 +43,8 @@ class CacheSource:
     """Remote packed caches: "range" or "shard_cache" (default: the config's `remote_read`)."""
     local_cache_dir: str | None = None
     """Node-local directory for this cache's remote index copy and shards (default: the config's)."""
+    require_checksums: bool | None = None
+    """Refuse this cache if its reads go unchecked by member checksums (default: the config's)."""
 
     @property
     def display_name(self) -> str:
@@ -115,6 +117,11 @@ class MixtureDataset(Dataset):
     def fingerprints(self) -> tuple[str, ...]:
         """Each source's index fingerprint."""
         return tuple(s.index.fingerprint for s in self.sources)
+
+    @property
+    def unchecked(self) -> tuple[bool, ...]:
+        """Per source: a packed cache without member checksums (its reads go unchecked)."""
+        return tuple(s.index.unchecked for s in self.sources)
 
     @property
     def sizes(self) -> tuple[int, ...]:

@@ -78,6 +78,11 @@ class CacheIndex:
         assert self.member_shard is not None and self.member_offset is not None and self.member_length is not None
         return int(self.member_shard[index]), int(self.member_offset[index]), int(self.member_length[index])
 
+    @property
+    def unchecked(self) -> bool:
+        """Whether this is a packed cache without member checksums (packed before they existed)."""
+        return self.member_shard is not None and self.member_checksum is None
+
     def checksum(self, index: int) -> int | None:
         """The recorded checksum of sample `index`'s member, or None when the cache has none."""
         return None if self.member_checksum is None else int(self.member_checksum[index])

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+CHECKSUMS = "member_checksums"  # present, as False, only for a packed cache without member checksums
 NOTES = {
+    CHECKSUMS: "the cache is now packed without member checksums, so its reads would go unchecked where the "
+    "checkpoint's were checked; `image-edit-data cache pack` writes them",
     "mixture_draw": "this image-edit-data draws a mixture's epochs otherwise than the one that wrote the "
     "checkpoint (each sample floor or ceil of its source's quota over its size), so the saved position "
     "would name other samples",
@@ -22,7 +25,7 @@ def fingerprint_changes(saved: Mapping[str, Any], current: Mapping[str, Any], al
     saved, current = dict(saved), dict(current)
     align_draws(saved, current)
     if "sources" not in saved and "sources" not in current:
-        return describe_changes(saved, current, allowed)
+        return checksum_changes(saved, current, CHECKSUMS, allowed) + describe_changes(saved, current, allowed)
     saved, current = comparable(saved), comparable(current)  # a mixture on either side: compare source by source
     old, new = per_source(saved), per_source(current)
     matched = match_sources(old, new)
@@ -51,14 +54,32 @@ def source_changes(i: int, j: int, was: Mapping[str, Any], source: Mapping[str, 
     if j != i:
         who = f"{parts[0]} ({parts[1]})" if len(parts) == 2 else tag or "a source"
         lines.append(f"{who} moved from sources[{j}] to sources[{i}]")
+    lines += checksum_changes(dict(was), dict(source), f"sources[{i}].{CHECKSUMS}", allowed, CHECKSUMS, tag)
     # Fields one side lacks (a single cache has no weight) say nothing about the source.
-    shown = {f"sources[{i}].{field}": field for field in set(was) & set(source) if field != "name"}
+    shown = {f"sources[{i}].{field}": field for field in set(was) & set(source) if field not in ("name", CHECKSUMS)}
     return lines + describe_changes(
         {key: was.get(field) for key, field in shown.items()},
         {key: source.get(field) for key, field in shown.items()},
         allowed,
         {f"sources[{i}]": tag} if tag else None,
     )
+
+
+def checksum_changes(
+    saved: dict[str, Any], current: dict[str, Any], key: str, allowed: set[str], field: str | None = None, tag: str = ""
+) -> list[str]:
+    """A line when the data's reads would now go unchecked where the checkpoint's were checked (`field` is popped).
+
+    Only `False` is ever recorded (a packed cache without member checksums), so a checkpoint without
+    the key read checked data, or unpacked data, whose data key changes anyway when it is packed. Data
+    that gained checksums resumes any checkpoint: its reads are checked more, never less.
+    """
+    field = field or key
+    was, now = saved.pop(field, True), current.pop(field, True)
+    if now is not False or was is False or key in allowed:
+        return []
+    shown = f" ({tag})" if tag else ""
+    return [f"{key}{shown}: checkpoint {was!r}, now {now!r} ({NOTES[CHECKSUMS]})"]
 
 
 def draws(fingerprint: Mapping[str, Any]) -> bool:
@@ -81,11 +102,13 @@ def comparable(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
     if "sources" not in result:
         result["sources"] = 1
         result["sources[0].data"] = result.pop("data", None)
+        if CHECKSUMS in result:
+            result[f"sources[0].{CHECKSUMS}"] = result.pop(CHECKSUMS)
     return result
 
 
 def per_source(fingerprint: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Each source's keys (`data`, `weight`, `name`) from a mixture fingerprint's `sources[i].<key>`."""
+    """Each source's keys (`data`, `weight`, `name`, ...) from a mixture fingerprint's `sources[i].<key>`."""
     sources: list[dict[str, Any]] = [{} for _ in range(int(fingerprint["sources"]))]
     for key, value in fingerprint.items():
         if key.startswith("sources["):

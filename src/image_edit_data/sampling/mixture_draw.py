@@ -39,11 +39,12 @@ class Mixture:
     samples_per_epoch: int | None = None
     fingerprints: tuple[str, ...] = ()  # each source's index fingerprint, for the resume check
     names: tuple[str, ...] = ()  # each source's name, for messages (a renamed source still resumes)
+    unchecked: tuple[bool, ...] = ()  # per source: a packed cache without member checksums, for the resume check
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.weights) != len(self.sizes):
             raise ValueError(f"a mixture needs one weight per source, got sizes {self.sizes} weights {self.weights}")
-        for what, given in (("fingerprints", self.fingerprints), ("names", self.names)):
+        for what, given in (("fingerprints", self.fingerprints), ("names", self.names), ("unchecked", self.unchecked)):
             if given and len(given) != len(self.sizes):
                 raise ValueError(f"got {len(given)} {what} for {len(self.sizes)} sources")
         for i, weight in enumerate(self.weights):
@@ -139,6 +140,8 @@ class Mixture:
                 keys[f"sources[{i}].weight"] = float(weight)
                 if self.names:
                     keys[f"sources[{i}].name"] = self.names[i]
+                if self.unchecked and self.unchecked[i]:
+                    keys[f"sources[{i}].member_checksums"] = False
         return keys
 
 

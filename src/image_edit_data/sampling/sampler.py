@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .mismatch import fingerprint_changes
+from .mismatch import CHECKSUMS, fingerprint_changes
 from .mixture_draw import Mixture
 from .plan import BucketOrder, EpochPlan, plan_epoch, step_count
 
@@ -67,6 +67,7 @@ class BucketBatchSampler:
         bucket_order: BucketOrder = "interleaved",
         epoch: int = 0,
         data_fingerprint: str = "",
+        unchecked: bool = False,
         max_batches: int | None = None,
         elastic: bool = False,
         shard_of: np.ndarray | None = None,
@@ -95,6 +96,9 @@ class BucketBatchSampler:
         self.max_batches = max_batches
         self.elastic = elastic
         self.data_fingerprint = data_fingerprint
+        # The data is a packed cache without member checksums: recorded, so that a checkpoint of checked
+        # data never resumes on a repack without them (mismatch.py).
+        self.unchecked = unchecked
         # Packed caches: sample -> shard, and the shard-local shuffle window (0: shuffle whole buckets).
         self.shard_of = shard_of
         self.shard_window = shard_window
@@ -218,11 +222,13 @@ class BucketBatchSampler:
         """What must match for a saved position to mean the same samples on resume.
 
         A single cache read once per epoch keeps the keys it always had, so older checkpoints still
-        match; a mixture of several sources replaces `data` with each source's data and weight.
+        match; a mixture of several sources replaces `data` with each source's data and weight. Data
+        read unchecked (a packed cache without member checksums) adds `member_checksums: False`.
         """
         mixed = self.mixture.fingerprint() if self.mixture is not None else {}
+        data = {"data": self.data_fingerprint, **({CHECKSUMS: False} if self.unchecked else {})}
         return {
-            **({} if "sources" in mixed else {"data": self.data_fingerprint}),
+            **({} if "sources" in mixed else data),
             "batch_sizes": list(self.batch_sizes),
             "seed": self.seed,
             "shuffle": self.shuffle,
