@@ -1,7 +1,8 @@
 """`image-edit-data bench`: index open, index memory, loader throughput and worker memory on one cache.
 
 One run measures, on this machine: opening the index; the machine's memcpy bandwidth; our loader
-at each `--num-workers`; with `--compare-naive` a plain DataLoader and a bare load loop over the
+at each `--num-workers` (a packed cache too; `--no-checksums` reads it unchecked, to measure the
+check); with `--compare-naive` a plain DataLoader and a bare load loop over the
 same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader (if installed);
 with `--rounds N` every loader N times, taking turns, each reported by its fastest round.
 `--index-only` measures the index alone; `--worker-memory-index N` worker memory over an epoch of
@@ -82,6 +83,13 @@ def _bench_parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--reference-path", type=str | None, default=None, help="Directory to import the reference from."
+    )
+    parser.add_argument(
+        "--no-checksums",
+        action=ActionYesNo,
+        default=False,
+        help="Read a packed cache's members without checking their checksums (to measure what the check costs; "
+        "training always checks).",
     )
     parser.add_argument(
         "--index-only",
@@ -254,6 +262,7 @@ def _options_from(args: Namespace) -> BenchOptions:
         prefetch_factor=args.prefetch_factor,
         compare_naive=args.compare_naive,
         compare_reference=args.compare_reference,
+        no_checksums=args.no_checksums,
         memcpy_mib=args.memcpy_mib,
         wait_load=args.wait_load,
         torch_threads=args.torch_threads,

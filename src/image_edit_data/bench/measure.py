@@ -1,7 +1,10 @@
 """What `image-edit-data bench` measures: the machine, memcpy and page-cache read rates, worker memory, loading.
 
-Memory figures come from `/proc` (Linux); elsewhere they are None. Throughput counts the payload
-file bytes of the samples a loader yielded, whatever it does with them.
+Memory and worker CPU figures come from `/proc` (Linux); elsewhere they are None. Throughput
+counts the payload bytes of the samples a loader yielded, whatever it does with them. CPU per
+sample counts this process (all its threads) and each loader worker, read while the workers are
+alive: a pool that persists across epochs is never reaped, so the reaped-children totals of
+`getrusage` would never see it, and a fork server's workers are not this process's children at all.
 """
 
 from __future__ import annotations
@@ -163,6 +166,22 @@ def memcpy_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
     }
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds process `pid` has used so far, all its threads (None: gone, or no /proc)."""
+    text = read_proc(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Sequence[int]) -> tuple[float, float | None]:
+    """CPU seconds used so far by this process and by the worker processes `pids` together (None: unknown)."""
+    workers = [process_cpu_seconds(pid) for pid in pids]
+    known = None if any(w is None for w in workers) else sum(w for w in workers if w is not None)
+    return time.process_time(), known
+
+
 @dataclass
 class Run:
     """One timed stretch of batches from one loader."""
@@ -176,15 +195,24 @@ class Run:
     workers: list[dict[str, Any]] = field(default_factory=list)
     load_average_1m: float | None = None  # when the timed batches started
     round_seconds: tuple[float, ...] = ()  # every round's time, this run's among them (empty: one round)
+    main_cpu_seconds: float | None = None  # this process, all threads, over the timed batches
+    worker_cpu_seconds: float | None = None  # the loader's workers together, over the same batches
 
     def faster(self, other: Run) -> Run:
         """The faster of two rounds of the same batches, remembering both rounds' times."""
         rounds = (self.round_seconds or (self.seconds,)) + (other.round_seconds or (other.seconds,))
         return replace(other if other.seconds < self.seconds else self, round_seconds=rounds)
 
+    def cpu_ms_per_sample(self) -> tuple[float | None, float | None]:
+        """CPU milliseconds per sample of this process and of the workers (None: not measured)."""
+        main = None if self.main_cpu_seconds is None else 1000 * self.main_cpu_seconds / self.samples
+        workers = 0.0 if not self.num_workers else self.worker_cpu_seconds
+        return main, None if workers is None else 1000 * workers / self.samples
+
     def to_json(self, memcpy_mb_s: float) -> dict[str, Any]:
         """The run's numbers, with rates and the fraction of the memcpy limit."""
         mb_s = self.payload_bytes / self.seconds / MB
+        main_cpu, worker_cpu = self.cpu_ms_per_sample()
         return {
             "loader": self.loader,
             "num_workers": self.num_workers,
@@ -198,6 +226,9 @@ class Run:
             "workers": self.workers,
             "load_average_1m": self.load_average_1m,
             "rounds_samples_s": [self.samples / seconds for seconds in self.round_seconds or (self.seconds,)],
+            "main_cpu_ms_per_sample": main_cpu,
+            "worker_cpu_ms_per_sample": worker_cpu,
+            "cpu_ms_per_sample": None if main_cpu is None or worker_cpu is None else main_cpu + worker_cpu,
         }
 
 
@@ -251,17 +282,23 @@ def timed_batches(
     before = [private_bytes(pid) for pid in pids]
     measured = plan[warmup:]
     load = load_average()
+    main_start, workers_start = cpu_seconds(pids)
     start = time.perf_counter()
     for _ in measured:
         last = next(iterator)
     seconds = time.perf_counter() - start
+    main_end, workers_end = cpu_seconds(pids)  # while the workers are alive, before the pool is shut down
     after = [private_bytes(pid) for pid in pids]
     del iterator  # shuts the workers down before the next run starts its own (unless they persist)
     shut_down(batches)
     if indices_of is not None and list(indices_of(last)) != list(measured[-1]):
         raise RuntimeError(f"{loader} loader yielded other samples than planned, so loaders would not be comparable")
     workers = worker_memory(pids, before, after)
-    return Run(loader, num_workers, len(measured), *plan_totals(measured, sizes), seconds, workers, load)
+    worker_cpu = None if workers_start is None or workers_end is None else workers_end - workers_start
+    totals = plan_totals(measured, sizes)
+    return Run(
+        loader, num_workers, len(measured), *totals, seconds, workers, load, (), main_end - main_start, worker_cpu
+    )
 
 
 def plan_totals(batches: Sequence[Sequence[int]], sizes: Mapping[int, int]) -> tuple[int, int]:

@@ -80,9 +80,11 @@ def bare_loop(paths: Sequence[str], plan: Sequence[Sequence[int]], warmup: int, 
             _naive_load(paths[i])
     measured = plan[warmup:]
     load = load_average()
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     for batch in measured:
         for i in batch:
             _naive_load(paths[i])
-    seconds = time.perf_counter() - start
-    return Run("bare", None, len(measured), *plan_totals(measured, sizes), seconds, load_average_1m=load)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return Run(
+        "bare", None, len(measured), *plan_totals(measured, sizes), seconds, load_average_1m=load, main_cpu_seconds=cpu
+    )

@@ -70,7 +70,7 @@ def reference_plan(sampler: Iterable[list[int]], count: int) -> list[list[int]]:
     return [list(batch) for batch in itertools.islice(iter(sampler), count)]
 
 
-def payload_files(dataset: Any, samples: Iterable[int]) -> dict[int, Path]:
+def reference_files(dataset: Any, samples: Iterable[int]) -> dict[int, Path]:
     """Payload file of each sample of the reference's dataset."""
     root = Path(dataset.cache_dir)
     return {i: root / str(dataset.metadata[i]["cache_file"]) for i in samples}

@@ -41,6 +41,13 @@ def _ratio_text(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}x"
 
 
+def _cpu_text(total: float | None, main: float | None, workers: int | None) -> str:
+    """`1.23`, or with workers `2.40 (0.31)`: CPU ms per sample in all, and the training process's share."""
+    if total is None:
+        return "-" if main is None else f"{main:.2f} + ?"
+    return f"{total:.2f}" if not workers else f"{total:.2f} ({main:.2f})"
+
+
 def _load_text(value: float | None) -> str:
     """A load average, or `-`."""
     return "-" if value is None else f"{value:.2f}"
@@ -153,8 +160,9 @@ def _loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: d
         title_justify="left",
     )
     table.add_column("loader")
-    for column in ("workers", "samples/s", "MB/s", "of memcpy", "ours/ref", "ours/plain", "ours/bare", "load"):
+    for column in ("workers", "samples/s", "MB/s", "of memcpy", "CPU ms/sample", "ours/ref", "ours/plain", "ours/bare"):
         table.add_column(column, justify="right")
+    table.add_column("load", justify="right")
     if rounds > 1:
         table.add_column("slowest round", justify="right")
     table.add_column("worker private memory (USS), start -> end of timed batches")
@@ -166,6 +174,7 @@ def _loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: d
             f"{run['samples_s']:,.1f}",
             f"{run['mb_s']:,.1f}",
             f"{run['memcpy_fraction']:.1%}",
+            _cpu_text(run.get("cpu_ms_per_sample"), run.get("main_cpu_ms_per_sample"), workers),
             _ratio_text(run.get("ours_over_reference")),
             _ratio_text(run.get("ours_over_naive")),
             _ratio_text(run.get("ours_over_bare")),
@@ -174,7 +183,8 @@ def _loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: d
             worker_memory(run["workers"]),
         )
     table.caption = (
-        "MB/s: payload file bytes (10^6) per second; of memcpy: MB/s over the memcpy limit; ours/x: our samples/s "
+        "MB/s: payload file bytes (10^6) per second; of memcpy: MB/s over the memcpy limit; CPU ms/sample: "
+        "this process and the live workers together (this process's share in brackets); ours/x: our samples/s "
         "over x's at the same worker count; ours, plain and bare read the same batches, the reference its own "
         "sampler's (same bucket, its shuffle), from a .pt copy of each payload when the cache is safetensors; "
         "load: 1-minute load average when the timing started"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import shutil
 import tempfile
@@ -16,8 +17,10 @@ from typing import Any
 from rich.console import Console
 
 from ..dataloader_config import ImageEditDataloaderConfig
+from ..dataset import ImageEditDataset
 from ..index.index import CacheIndex
 from ..index.store import open_index
+from ..mixture_dataset import MixtureDataset
 from ..payload.payload import format_of
 from .index_opens import measure_index_opens
 from .measure import (
@@ -35,7 +38,7 @@ from .naive import bare_loop, naive_loader
 from .reference import (
     build_reference,
     convert_payloads,
-    payload_files,
+    reference_files,
     reference_plan,
     reference_version,
     write_pt_twin_index,
@@ -60,6 +63,7 @@ class BenchOptions:
     memcpy_mib: int = 256
     wait_load: float | None = None
     torch_threads: int | None = None
+    no_checksums: bool = False  # ours reads packed members unchecked: to measure what checking costs
 
     def check(self) -> None:
         """Refuse values no run could use."""
@@ -142,9 +146,21 @@ def run_worker_memory(
 
 
 def _check_warmup(cache_dir: Path, options: BenchOptions) -> None:
-    """Refuse a --warmup of a whole epoch or more before anything is measured (what it opens is freed again)."""
-    batches = len(_loader_config(cache_dir, options, num_workers=0).build(**build_args(options)).sampler)
+    """Before anything is measured, refuse a --warmup of a whole epoch or more, or a comparison a packed cache lacks.
+
+    What this opens is freed again.
+    """
+    config = _loader_config(cache_dir, options, num_workers=0)
+    dataset = config.open_dataset()
+    packed = isinstance(dataset, ImageEditDataset) and dataset.index.packed
+    batches = len(config.build_for(dataset=dataset, **build_args(options)).sampler)
+    del dataset
     gc.collect()  # the index opened here is gone before the index-open children fork
+    if packed and (options.compare_naive or options.compare_reference):
+        raise ValueError(
+            f"{cache_dir}: a packed cache; --compare-naive and --compare-reference read one file per sample: "
+            "bench the cache it was packed from for those"
+        )
     if batches <= options.warmup:
         raise ValueError(
             f"{cache_dir}: one epoch has {batches} batches of {options.batch_size}, "
@@ -169,16 +185,18 @@ def run_loaders(
     sampler = _loader_config(cache_dir, options, num_workers=0).build(**build_args(options)).sampler
     # Ours, the plain DataLoader and the bare loop read these batches: our first epoch, cut to warmup + batches.
     plan = [sampler.batch_for(s).tolist() for s in range(min(len(sampler), options.warmup + options.batches))]
-    paths = [str(index.root / index.relative_path(i)) for i in range(len(index))]
-    sizes = {i: Path(paths[i]).stat().st_size for batch in plan for i in batch}
-    planned = [paths[i] for i in sizes]  # read once before each run: every loader starts from the page cache
+    paths, sizes, planned = payload_files(index, {i for batch in plan for i in batch})
     with step("measuring the page-cache read rate"):
         warm_page_cache(planned)
         results["page_cache"] = page_cache_read_rate(planned)
 
     def ours(workers: int) -> Run:
         warm_page_cache(planned)
-        loader = _loader_config(cache_dir, options, workers).build(**build_args(options)).dataloader
+        config = _loader_config(cache_dir, options, workers)
+        dataset = config.open_dataset()
+        if options.no_checksums:
+            unchecked(dataset)
+        loader = config.build_for(dataset=dataset, **build_args(options)).dataloader
         return timed_batches("ours", workers, loader, plan, options.warmup, sizes, sample_indices)
 
     def naive(workers: int) -> Run:
@@ -206,8 +224,11 @@ def run_loaders(
     results["cache"] = {
         **_cache_facts(index),
         "epoch_batches": len(sampler),
-        "formats": sorted({format_of(paths[i]) for i in sizes}),
+        "formats": ["safetensors (packed)"] if index.packed else sorted({format_of(paths[i]) for i in sizes}),
         "mean_payload_bytes": sum(sizes.values()) / len(sizes),
+        "member_checksums": None
+        if not index.packed
+        else index.member_checksum is not None and not options.no_checksums,
     }
     results["settings"]["measured_batches"] = len(plan) - options.warmup
     results["machine"]["load_average_1m_end"] = load_average()
@@ -250,7 +271,7 @@ def _reference_measures(
             if twin is not None:
                 with step("writing .pt copies of the payloads the reference will read"):
                     convert_payloads(index, twin, sorted({i for batch in plan for i in batch}))
-            files = payload_files(build.dataloader.dataset, {i for batch in plan for i in batch})
+            files = reference_files(build.dataloader.dataset, {i for batch in plan for i in batch})
             sizes = {i: path.stat().st_size for i, path in files.items()}
             what = f"the reference loader with {workers} workers"
             measures.append((("reference", workers), what, partial(timed, workers, plan, sizes, list(files.values()))))
@@ -273,12 +294,33 @@ def _with_ratios(runs: dict[tuple[str, int | None], Run], memcpy_mb_s: float) ->
     return rows
 
 
+def payload_files(index: CacheIndex, samples: set[int]) -> tuple[list[str], dict[int, int], list[str]]:
+    """Every sample's payload path, the planned samples' payload sizes, and the files they are read from.
+
+    A packed cache's payloads are members of shards: their sizes are the members' and the files the shards.
+    """
+    paths = [str(index.root / index.relative_path(i)) for i in range(len(index))]
+    if not index.packed:
+        sizes = {i: Path(paths[i]).stat().st_size for i in sorted(samples)}
+        return paths, sizes, [paths[i] for i in sizes]
+    sizes = {i: index.member(i)[2] for i in sorted(samples)}
+    shards = sorted({index.member(i)[0] for i in samples})
+    return paths, sizes, [str(index.root / index.shards[number].path) for number in shards]
+
+
+def unchecked(dataset: ImageEditDataset | MixtureDataset) -> None:
+    """Make `dataset` read its packed members without their checksums: for measuring what checking costs only."""
+    for source in dataset.sources if isinstance(dataset, MixtureDataset) else [dataset]:
+        index = dataclasses.replace(source.index, member_checksum=None)
+        source.index = source.reader.index = index
+
+
 def sample_indices(batch: dict[str, Any]) -> list[int]:
     """The samples one of our batches holds."""
     return list(batch["metadata"]["sample_indices"])
 
 
-def build_args(options: BenchOptions) -> dict[str, int]:
+def build_args(options: BenchOptions) -> dict[str, Any]:
     """The runtime facts our `build()` takes: one rank."""
     return {"dp_rank": 0, "dp_world_size": 1, "batch_size": options.batch_size}
 

@@ -20,7 +20,7 @@ from support.caches import tiny_cache
 import image_edit_data.bench.run as bench_run
 from image_edit_data.bench.command import bench_main
 from image_edit_data.bench.index_opens import forget_stored_index, stored_index_files
-from image_edit_data.bench.measure import cpu_model
+from image_edit_data.bench.measure import cpu_model, cpu_seconds
 from image_edit_data.bench.reference import convert_payloads, pt_name, write_pt_twin_index
 from image_edit_data.bench.synthetic import (
     INDEX_ONLY_SIGNATURES,
@@ -33,6 +33,7 @@ from image_edit_data.dataset import ImageEditDataset
 from image_edit_data.index.index import load_index
 from image_edit_data.index.store import open_index
 from image_edit_data.payload.payload import load_payload
+from image_edit_data.preprocess.tools.pack import pack_cache
 
 TINY = ["--latent", "4x8x8", "--prompt", "8x16", "--memcpy-mib", "16"]
 # Where the reference loader may be unpacked (`pip download nemo-automodel`, unzip); it may also be installed.
@@ -104,6 +105,17 @@ def test_bench_reports_every_number_for_ours_naive_and_bare_loop(tmp_path: Path,
         assert math.isclose(ours["ours_over_bare"], ours["samples_s"] / runs[("bare", None)]["samples_s"])
         assert ours["ours_over_reference"] is None
     assert runs[("ours", 0)]["workers"] == [] and runs[("bare", None)]["workers"] == []
+    for run in runs.values():
+        assert positive(run["main_cpu_ms_per_sample"]) and positive(run["cpu_ms_per_sample"])
+        if not run["num_workers"]:
+            assert run["cpu_ms_per_sample"] == run["main_cpu_ms_per_sample"]
+    for key in (("ours", 2), ("naive", 2)):  # the workers' CPU time is read while they are alive (ours: a live pool)
+        assert runs[key]["worker_cpu_ms_per_sample"] >= 0
+        ours = runs[key]
+        assert math.isclose(
+            ours["cpu_ms_per_sample"], ours["main_cpu_ms_per_sample"] + ours["worker_cpu_ms_per_sample"]
+        )
+    assert "CPU ms/sample" in printed
     for key in (("ours", 2), ("naive", 2)):
         workers = runs[key]["workers"]
         assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
@@ -123,6 +135,41 @@ def test_bench_measures_an_existing_safetensors_cache_without_json(
     assert code == 0, printed
     assert "24 samples" in printed and "safetensors payloads" in printed
     assert "bare load loop" in printed and "re-open (stored index)" in printed
+
+
+def test_cpu_time_is_read_from_a_live_process_that_is_not_this_ones_reaped_child() -> None:
+    spin = (
+        "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+        "print('spun', flush=True)\ntime.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "spun\n"
+        _, alive = cpu_seconds([child.pid])  # still running: getrusage(RUSAGE_CHILDREN) would not count it yet
+        assert alive is not None and 0.25 <= alive < 5
+    finally:
+        child.kill()
+        child.wait()
+    assert cpu_seconds([child.pid])[1] is None  # gone: unknown, never a made-up number
+
+
+def test_bench_reads_a_packed_cache_checked_and_unchecked_and_refuses_what_reads_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    spec = synthetic_spec("small", "4x8x8", "8x16", contexts=1, payload_format="safetensors")
+    write_synthetic_cache(tmp_path / "files", 16, spec)
+    pack_cache(tmp_path / "files", str(tmp_path / "packed"), shard_bytes=8192)
+    index = open_index(tmp_path / "packed")
+    argv = [str(tmp_path / "packed"), "--batches", "2", "--warmup", "1", "--memcpy-mib", "16"]
+    for extra, checked in (([], True), (["--no-checksums"], False)):
+        results, printed = run_json(tmp_path, [*argv, *extra], capsys)
+        assert results["cache"]["member_checksums"] is checked and "safetensors (packed)" in printed
+        (run,) = results["runs"]
+        planned = [index.member(i)[2] for i in range(len(index))]
+        assert run["samples"] == 8 and min(planned) * 8 <= run["payload_bytes"] <= max(planned) * 8
+        assert positive(run["cpu_ms_per_sample"])
+    assert bench_main([*argv, "--compare-naive"]) == 1
+    assert "a packed cache; --compare-naive and --compare-reference read one file per sample" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # a whole bench run: index opens in fresh processes, workers
