@@ -31,8 +31,8 @@ def sampler_state_of(state: Mapping[str, Any]) -> Mapping[str, Any]:
         if state.get("_steps_since_snapshot", 0) != 0:
             raise ResumeMismatchError(
                 "cannot resume: the loader state was saved between torchdata snapshots "
-                f"({state['_steps_since_snapshot']} steps after one); save it from a loader built by "
-                "ImageEditDataloaderConfig.build(), which snapshots every batch"
+                f"({state['_steps_since_snapshot']} steps after one), so it does not say where the loader was; "
+                "a loader built by ImageEditDataloaderConfig.build() saves its exact position at any time"
             )
         found = state["_snapshot"].get("_main_snapshot", {}).get("_index_sampler_state")
     else:  # torchdata, without workers

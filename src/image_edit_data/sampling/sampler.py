@@ -240,7 +240,7 @@ class BucketBatchSampler:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """A fresh dict (never aliased: torchdata keeps per-batch snapshots of it)."""
+        """A fresh dict (never aliased: whoever keeps it keeps this moment's position)."""
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,

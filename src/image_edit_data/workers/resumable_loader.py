@@ -6,7 +6,9 @@
   after-fork handler, and a pool per epoch made that a matter of time under DDP.
 - Our sampler still drives every pass: each pass starts at the sampler's consumed position.
 - The state is the sampler's consumed position (`sampling/resume.py`): exact at any moment, with
-  any `num_workers` on either side.
+  any `num_workers` on either side. So torchdata's own per-step snapshot of the loader state
+  (the sampler's state built with every batch handed to a worker, the workers' state sent back
+  with every batch) would serve nothing: it is turned off.
 - A worker that does not answer within `worker_timeout` becomes a `LoaderWorkerTimeoutError`
   naming the rank, the worker and what it was doing (`workers/watch.py`).
 """
@@ -53,7 +55,13 @@ class ResumableDataLoader(StatefulDataLoader):
         if self.watch is not None:
             dataset = WatchedDataset(dataset, self.watch)  # workers mark each batch they fetch
         super().__init__(
-            dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers, **workers, **options
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            snapshot_every_n_steps=None,  # nothing reads torchdata's snapshots: `state_dict` is the sampler's
+            **workers,
+            **options,
         )
         batch_sampler.consumption_tracked = True
         self.worker_start = worker_start

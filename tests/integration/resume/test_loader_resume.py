@@ -150,6 +150,23 @@ def test_a_pass_broken_off_continues_at_the_first_batch_not_consumed(cache_dir: 
         built.sampler.advance_epoch(0)
 
 
+def test_a_pass_with_workers_builds_no_loader_state_per_batch(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    built = config(cache_dir, 2).build(dp_rank=0, dp_world_size=1, batch_size=BATCH)
+    built.sampler.set_epoch(0)
+    built_states: list[int] = []
+    state_dict = built.sampler.state_dict
+
+    def counted() -> dict[str, Any]:
+        built_states.append(1)
+        return state_dict()
+
+    monkeypatch.setattr(built.sampler, "state_dict", counted)
+    assert [ids(b) for b in built.dataloader] == baseline(cache_dir, 0, 1)[0]
+    # torchdata would build the sampler's state for every batch it hands a worker (21 here); nothing reads it.
+    assert len(built_states) <= 1  # at most once as the pass starts
+    built.dataloader.close()
+
+
 @pytest.mark.parametrize("saved_with_workers", [False, True])
 def test_a_loader_state_in_torchdatas_form_still_resumes(cache_dir: Path, saved_with_workers: bool) -> None:
     """Loaders before 0.2 saved torchdata's own state; its sampler snapshot is the consumed position."""
