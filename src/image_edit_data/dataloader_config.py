@@ -18,7 +18,7 @@ from .sampling.plan import BucketOrder
 from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
 from .workers.resumable_loader import ResumableDataLoader
-from .workers.start import DEFAULT_WORKER_START, WorkerStart, worker_context
+from .workers.start import DEFAULT_WORKER_START, WorkerStart, start_server_early, worker_context
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -146,7 +146,11 @@ class ImageEditDataloaderConfig:
         )
 
     def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset | MixtureDataset:
-        """Open `cache_dir` (default: the configured cache or mixture) with this config's corrupt-sample policy."""
+        """Open `cache_dir` (default: the configured cache or mixture) with this config's corrupt-sample policy.
+
+        With workers, the fork server starts first and loads itself while the cache opens.
+        """
+        start_server_early(self.multiprocessing_context, self.num_workers)
         if cache_dir is not None or self.sources is None:
             return self.open_location(self.location(cache_dir))
         names = [s.display_name for s in self.sources]

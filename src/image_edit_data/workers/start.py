@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import sys
 from multiprocessing.context import BaseContext
 from typing import Literal
@@ -52,3 +53,15 @@ def worker_context(start: WorkerStart) -> BaseContext:
         # Takes effect only if this process has not started its fork server yet; harmless otherwise.
         context.set_forkserver_preload(server_preload())  # type: ignore[attr-defined]
     return context
+
+
+def start_server_early(start: WorkerStart, num_workers: int) -> None:
+    """Start the fork server now, so that its imports run while the cache opens and training sets up.
+
+    Starting it takes milliseconds; the server then imports torch and the read path in its own process
+    (about a second), which would otherwise all come before the pool's first batch. Only for a
+    loader with workers started by the fork server (the default).
+    """
+    if start == "forkserver" and num_workers > 0:
+        worker_context(start)  # the server's preload is fixed when it starts
+        multiprocessing.forkserver.ensure_running()
