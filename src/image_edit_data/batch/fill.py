@@ -31,7 +31,7 @@ from .buffer import BatchBuffer, Part, usable_cores
 Placed = tuple[int, FileTensor | torch.Tensor]  # (offset in the buffer, one of the sample's tensors)
 # Handing rows to a second thread costs a thread wake-up and GIL hand-offs; for smaller batches that
 # eats what the second copy saves (interleaved runs, docs/performance.md).
-PARALLEL_READ_MIN_BYTES = 8 << 20
+PARALLEL_READ_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ..errors import CacheFormatError
 from ..index.packed import CHECKSUM, checksum_text, member_checksum
 
 Buffer = bytes | bytearray | memoryview
+EMPTY = memoryview(b"")
 
 
 class MemberCheck:
@@ -57,7 +58,7 @@ class MemberCheck:
 
     def held(self, offset: int, nbytes: int) -> memoryview:
         """The first bytes of `[offset, offset + nbytes)` that this check already holds in memory (maybe none)."""
-        return memoryview(b"")
+        return EMPTY
 
     def reread(self) -> Buffer:
         """The whole member, read afresh."""
@@ -96,26 +97,28 @@ def _offset(part: tuple[int, memoryview]) -> int:
 class FileMember(MemberCheck):
     """A member of an open shard: `head` holds its first bytes, as read to parse its header."""
 
-    __slots__ = ("descriptor", "head")
+    __slots__ = ("descriptor", "head", "head_end")
 
     def __init__(
         self, expected: int, display: str, source: str, descriptor: int, base: int, length: int, head: bytes
     ) -> None:
         super().__init__(expected, display, source, base, length)
         self.descriptor = descriptor
-        self.head = head
+        self.head = memoryview(head)
+        self.head_end = base + len(head)
 
     def held(self, offset: int, nbytes: int) -> memoryview:
+        if offset >= self.head_end or offset < self.base:  # most tensors: past what the header's read brought
+            return EMPTY
         start = offset - self.base
-        return memoryview(self.head)[start : start + nbytes] if start >= 0 else memoryview(b"")
+        return self.head[start : start + nbytes]
 
     def span(self, start: int, end: int) -> Buffer:
-        cached = self.base + len(self.head)
-        if end <= cached:
-            return memoryview(self.head)[start - self.base : end - self.base]
-        if start < cached:
-            return memoryview(self.head)[start - self.base :].tobytes() + pread_all(
-                self.descriptor, end - cached, cached
+        if end <= self.head_end:
+            return self.head[start - self.base : end - self.base]
+        if start < self.head_end:
+            return self.head[start - self.base :].tobytes() + pread_all(
+                self.descriptor, end - self.head_end, self.head_end
             )
         return pread_all(self.descriptor, end - start, start)
 
