@@ -21,7 +21,7 @@ import torch
 from ..contract.file_tensor import FileTensor, read_into
 from .shared_ring import Lease, shared_bytes, worker_ring
 
-Part = tuple[int, int, FileTensor]  # (offset in its file, offset in the buffer, tensor)
+Part = tuple[int, int, int, FileTensor]  # (offset in its file, offset in the buffer, bytes, the tensor they belong to)
 
 
 class BufferPool:
@@ -97,12 +97,11 @@ class BatchBuffer:
 
     def read_run(self, run: Sequence[Part]) -> None:
         """Scatter one contiguous byte range of a file into the tensors' places: one `preadv`."""
-        first = run[0][2]
-        buffers = [self.view[start : start + tensor.nbytes] for _, start, tensor in run]
-        if os.preadv(first.descriptor, buffers, first.offset) == sum(len(b) for b in buffers):
+        buffers = [self.view[start : start + nbytes] for _, start, nbytes, _ in run]
+        if os.preadv(run[0][3].descriptor, buffers, run[0][0]) == sum(len(b) for b in buffers):
             return
-        for _, start, tensor in run:  # a short read (signal, or the file changed): finish part by part
-            read_into(tensor.descriptor, tensor.offset, self.view[start : start + tensor.nbytes], tensor.display)
+        for offset, start, nbytes, tensor in run:  # a short read (signal, or the file changed): part by part
+            read_into(tensor.descriptor, offset, self.view[start : start + nbytes], tensor.display)
 
 
 def usable_cores() -> int:

@@ -97,8 +97,8 @@ def fill_row(buffer: BatchBuffer, row: int, parts: Sequence[Placed], check: Memb
         held = check.held(source.offset, source.nbytes) if check is not None else b""
         if held:  # read with the member's header already: copied from there, only the rest from the file
             buffer.view[start : start + len(held)] = held
-        if len(held) < source.nbytes:
-            in_files.append(unread_part(source, start, len(held)))
+        if len(held) < source.nbytes:  # the rest, from the file
+            in_files.append((source.offset + len(held), start + len(held), source.nbytes - len(held), source))
     try:
         read_in_file_order(buffer, in_files)
     except CacheFormatError:  # the file ended early: a truncated shard, which the member's re-read shows
@@ -107,28 +107,17 @@ def fill_row(buffer: BatchBuffer, row: int, parts: Sequence[Placed], check: Memb
         return Mismatch(row, check, None, tuple(placed))
     if check is None:
         return None
-    found = check.digest([(tensor.offset, buffer.view[start : start + tensor.nbytes]) for start, tensor in placed])
+    view = buffer.view
+    found = check.digest([(tensor.offset, view[start : start + tensor.nbytes]) for start, tensor in placed])
     return None if found == check.expected else Mismatch(row, check, found, tuple(placed))
-
-
-def unread_part(tensor: FileTensor, start: int, skipped: int) -> Part:
-    """What is left to read of `tensor` (placed at `start` in the buffer) after its first `skipped` bytes."""
-    if not skipped:
-        return (tensor.offset, start, tensor)
-    offset, nbytes = tensor.offset + skipped, tensor.nbytes - skipped
-    return (
-        offset,
-        start + skipped,
-        FileTensor((nbytes,), torch.uint8, tensor.descriptor, offset, nbytes, tensor.display),
-    )
 
 
 def read_in_file_order(buffer: BatchBuffer, parts: list[Part]) -> None:
     """Read tensors still in files: sorted by file and offset, each contiguous run with one `preadv`."""
-    parts.sort(key=lambda part: (part[2].descriptor, part[0]))
+    parts.sort(key=lambda part: (part[3].descriptor, part[0]))
     run: list[Part] = []
     for part in parts:
-        if run and (run[-1][0] + run[-1][2].nbytes != part[0] or run[-1][2].descriptor != part[2].descriptor):
+        if run and (run[-1][0] + run[-1][2] != part[0] or run[-1][3].descriptor != part[3].descriptor):
             buffer.read_run(run)
             run = []
         run.append(part)

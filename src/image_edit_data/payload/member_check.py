@@ -39,17 +39,19 @@ class MemberCheck:
         Offsets are in the member's file (or fetched bytes); every byte no range covers is taken from `span`.
         """
         hasher = xxhash.xxh3_64()  # streaming updates run without the GIL, so two reader threads hash at once
+        update = hasher.update
         cursor, end = self.base, self.base + self.length
         for offset, view in sorted(placed, key=_offset):
-            if offset > cursor:
-                hasher.update(self.span(cursor, offset))
-                cursor = offset
-            elif offset < cursor:  # overlapping ranges: hash each byte once
-                view = view[cursor - offset :]
-            hasher.update(view)
+            if offset != cursor:
+                if offset > cursor:
+                    update(self.span(cursor, offset))
+                    cursor = offset
+                else:  # overlapping ranges: hash each byte once
+                    view = view[cursor - offset :]
+            update(view)
             cursor += len(view)
         if cursor < end:
-            hasher.update(self.span(cursor, end))
+            update(self.span(cursor, end))
         return int(hasher.intdigest())
 
     def span(self, start: int, end: int) -> Buffer:
@@ -102,7 +104,7 @@ class FileMember(MemberCheck):
     def __init__(
         self, expected: int, display: str, source: str, descriptor: int, base: int, length: int, head: bytes
     ) -> None:
-        super().__init__(expected, display, source, base, length)
+        self.expected, self.display, self.source, self.base, self.length = expected, display, source, base, length
         self.descriptor = descriptor
         self.head = memoryview(head)
         self.head_end = base + len(head)
