@@ -22,6 +22,8 @@ from jsonargparse import ActionYesNo, ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
+from .paths import resolve_path_options
+
 
 @dataclass
 class StressRun:
@@ -112,6 +114,7 @@ def stress_main(argv: list[str]) -> int:
     console = Console()
     try:
         args = _parser().parse_args(argv)
+        resolve_path_options(args, ("out", "json"))
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:
