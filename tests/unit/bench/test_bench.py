@@ -302,7 +302,7 @@ def test_pt_twin_of_a_safetensors_cache_holds_the_same_tensors_and_only_their_by
         (
             ["cache", "--json", "no/such/dir/out.json"],
             2,
-            "--json: the directory of no/such/dir/out.json does not exist",
+            "no/such/dir/out.json does not exist",
         ),
         (["--worker-memory-index", "8", "--num-workers", "0"], 2, "expected --num-workers >= 1, got 0"),
         (["cache", "--worker-memory-index", "8"], 2, "--worker-memory-index N writes its own cache"),
