@@ -59,7 +59,6 @@ class ResumableDataLoader(StatefulDataLoader):
         self.worker_start: WorkerStart | None = None
         workers: dict[str, Any] = {}
         if self.watch is not None:
-            refuse_a_rerun_of_main()
             self.worker_start = choose_start(worker_start, (dataset, collate_fn))
             workers = {
                 "multiprocessing_context": worker_context(self.worker_start),
@@ -167,6 +166,7 @@ class ResumableDataLoader(StatefulDataLoader):
     def _start_pool(self) -> None:
         """Before the step that starts a pool: a fresh watch table, and the deadline over the processes it starts."""
         assert self.watch is not None
+        refuse_a_rerun_of_main()
         self.watch.renew()
         self._existing = {process.pid for process in multiprocessing.active_children()}
         self._pool_running = True

@@ -125,10 +125,11 @@ def check_start(start: WorkerStart | None) -> None:
 
 
 def refuse_a_rerun_of_main() -> None:
-    """Raise when a worker builds a loader while running the main script's top level again (an unguarded script).
+    """Raise when a worker, running the main script's top level again, is about to start a pool of its own.
 
-    Each such worker would start a pool of its own; failing here ends it at once with the fix named,
-    and the training process reports the worker that ended before its first batch.
+    That is the training code of a script that runs it outside `if __name__ == "__main__":`; failing
+    here ends the worker at once with the fix named, and the training process reports the worker that
+    ended before its first batch. (Building a loader there is harmless: only starting one is not.)
     """
     frame = inspect.currentframe()
     while frame is not None:
