@@ -104,9 +104,13 @@ def _ensure_watching() -> None:
 
 
 def _watch() -> None:
+    # Holds the deadlines only while it checks them: one a loader has stopped is gone at once, and with it
+    # everything it refers to (the watch's shared-memory table).
     while True:
-        deadlines = list(_watched)
-        interval = min([LONGEST_CHECK_INTERVAL, *(d.timeout / 10 for d in deadlines)])
-        time.sleep(interval)
-        for deadline in deadlines:
-            deadline.check()
+        time.sleep(min([LONGEST_CHECK_INTERVAL, *(deadline.timeout / 10 for deadline in list(_watched))]))
+        _check_all()
+
+
+def _check_all() -> None:
+    for deadline in list(_watched):
+        deadline.check()

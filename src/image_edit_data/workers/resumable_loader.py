@@ -152,6 +152,7 @@ class ResumableDataLoader(StatefulDataLoader):
         ended (even one that is not a child of this process), or it failed to start."""
         if not isinstance(error, Exception):
             raise error
+        release_frames(error)  # whoever keeps the error must not keep torch's iterator, and with it the pool, alive
         # `_pool` holds the processes alive when the pool was seen last; torch drops ended ones from this
         # process's list of children as it finds them, so a pool starting with fewer than it asked for lost some.
         ended = len(self._pool) < self.num_workers or any(process.exitcode is not None for process in self._pool)
@@ -198,7 +199,9 @@ class ResumableDataLoader(StatefulDataLoader):
         super().load_state_dict({})  # torchdata's public way to drop its iterator, whose finaliser stops the pool
         if batches is not None and batches() is not None:
             gc.collect()  # held in a reference cycle: the collector runs its finaliser
-        if batches is not None and batches() is not None:
+        if batches is not None and batches() is not None and self.worker_start != "forkserver":
+            # Torch's finaliser has not run, so its SIGCHLD handler still watches these children: ending them
+            # here would raise in this process. (A fork server's workers are not children: they end below.)
             log.warning("the loader's old worker pool is still referenced; its workers end when it is collected")
             return
         end_processes([process for process in processes if process.exitcode is None])
