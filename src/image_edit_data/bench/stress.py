@@ -60,7 +60,7 @@ def _parser() -> ArgumentParser:
         "--thread-churn",
         action=ActionYesNo,
         default=False,
-        help="Keep threads starting and exiting in the training process (what makes a fork of it hang).",
+        help="Keep threads starting and exiting in the training process (when a fork of it can hang).",
     )
     parser.add_argument("--hang-after", type=float, default=120.0, help="Seconds without progress that make a hang.")
     parser.add_argument("--out", type=str | None, default=None, help="Directory for cache and logs (default: temp).")

@@ -153,9 +153,10 @@ def server_preload() -> list[str]:
 
     Each worker of a fork-free start runs the main module's top level again (as spawn does), which
     is cheap only if what it imports is loaded already: the server imports the read path and the
-    frameworks the training process uses. Not the main module itself: CPython ignores a `__main__`
-    entry before 3.13.8, and later versions run the script in the server (with an empty `sys.argv`
-    in some releases, CPython gh-143706), so leaving it out keeps one behaviour on every version.
+    frameworks the training process uses. Not the main module itself: CPython ignored a `__main__`
+    entry until gh-126631 (3.14, and a 3.13 patch release), and since runs the script in the server
+    (with an empty `sys.argv` in some releases, gh-143706); leaving it out keeps one behaviour on
+    every version.
     """
     loaded = [name for name in FRAMEWORKS if name in sys.modules]
     return [*READ_PATH_MODULES, *loaded]
