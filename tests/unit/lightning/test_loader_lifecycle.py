@@ -88,6 +88,7 @@ def test_twenty_loader_rebuilds_hold_what_the_first_held_and_the_fit_leaves_no_w
         }
     data = ImageEditDataModule(batch_size=2, num_workers=workers, worker_timeout=60, **options)
     others = worker_processes()  # the S3 server
+    before = resources(others)  # what earlier tests in this process left (a pin of a cache they did not close)
     counts = Counts(others)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -107,6 +108,6 @@ def test_twenty_loader_rebuilds_hold_what_the_first_held_and_the_fit_leaves_no_w
     assert last == first, f"after the first rebuild {first}, after {REBUILDS}: {last}"
     assert first["worker processes"] == workers
     if where != "local":
-        assert first["shard pins"] > 0  # the prefetcher ran
+        assert first["shard pins"] > before["shard pins"]  # the prefetcher ran
     after = resources(others)
-    assert (after["worker processes"], after["shard pins"]) == (0, 0)
+    assert (after["worker processes"], after["shard pins"]) == (0, before["shard pins"])
