@@ -235,14 +235,17 @@ def children_since(existing: Set[int | None]) -> list[BaseProcess]:
 
 
 def release_frames(error: BaseException) -> None:
-    """Drop the local variables of the finished frames in `error`'s tracebacks (its causes' too).
+    """Drop the local variables of the finished frames in the traceback of `error` and of its causes.
 
-    Torch's frames there hold its iterator, whose finaliser is what stops the workers: kept by the
-    error the caller raises (and by whoever catches it), they would keep the pool running.
+    Those are the loader's and torch's frames below the step that raised it (running frames are left
+    alone), and torch's hold its iterator, whose finaliser is what stops the workers: kept by the
+    error (and by whoever catches it), they would keep the pool running. Torch chains its own errors
+    by cause (`raise ... from`); an exception being handled when the step ran (the context) is the
+    caller's, and left as it is.
     """
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         traceback.clear_frames(current.__traceback__)
-        current = current.__cause__ or current.__context__
+        current = current.__cause__

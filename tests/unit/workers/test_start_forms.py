@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -56,6 +56,24 @@ def environment() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
 
 
+def run_form(arguments: list[str], stdin: Path | None, cwd: Path) -> tuple[int | None, str, str]:
+    """Exit code (None: no answer within `SECONDS`, then killed), stdout and stderr of one interpreter."""
+    with open(stdin or os.devnull) as feed:
+        try:
+            done = subprocess.run(
+                [sys.executable, *arguments],
+                stdin=feed,
+                capture_output=True,
+                text=True,
+                cwd=cwd,
+                env=environment(),
+                timeout=SECONDS,
+            )
+        except subprocess.TimeoutExpired as hung:
+            return None, str(hung.stdout or ""), str(hung.stderr or "")
+    return done.returncode, done.stdout, done.stderr
+
+
 def test_every_way_of_starting_python_trains_with_workers_or_fails_at_once_naming_the_fix(
     tmp_path: Path, cache_dir: Path
 ) -> None:
@@ -75,36 +93,21 @@ def test_every_way_of_starting_python_trains_with_workers_or_fails_at_once_namin
         "explicit forkserver, no main guard": ([str(explicit)], None, None),
         "training beside the main guard": ([str(beside)], None, None),
     }
-    started = time.monotonic()
-    running = {}
-    for name, (arguments, stdin, _) in forms.items():
-        with open(stdin or os.devnull) as feed:
-            running[name] = subprocess.Popen(
-                [sys.executable, *arguments],
-                stdin=feed,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=tmp_path,
-                env=environment(),
-            )
-    results = {}
-    for name, process in running.items():
-        try:
-            results[name] = (*process.communicate(timeout=max(1.0, SECONDS - (time.monotonic() - started))), process)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            results[name] = (*process.communicate(), process)
-    for name, (stdout, stderr, process) in results.items():
+    # Two at a time, as many as the machine has cores: a burst of interpreters would starve the other test worker.
+    with ThreadPoolExecutor(2) as pool:
+        runs = {name: pool.submit(run_form, form[0], form[1], tmp_path) for name, form in forms.items()}
+    results = {name: run.result() for name, run in runs.items()}
+    for name, (code, stdout, stderr) in results.items():
         expected = forms[name][2]
+        assert code is not None, f"{name}: no answer in {SECONDS} s\n{stdout}\n{stderr[-3000:]}"
         if expected is None:
-            assert process.returncode != 0 and FIX in stderr, f"{name}:\n{stdout}\n{stderr[-3000:]}"
+            assert code != 0 and FIX in stderr, f"{name}:\n{stdout}\n{stderr[-3000:]}"
         else:
             assert f"TRAINED {SAMPLES} with {expected}" in stdout, f"{name}:\n{stdout}\n{stderr[-3000:]}"
             assert (FALLBACK_NOTICE in stderr) == (expected == "fork"), f"{name}: {stderr[-3000:]}"
-    assert "cannot start loader workers here" in results["explicit forkserver, no main guard"][1]
+    assert "cannot start loader workers here" in results["explicit forkserver, no main guard"][2]
     assert (
-        "exited unexpectedly before the pool delivered its first batch" in results["training beside the main guard"][1]
+        "exited unexpectedly before the pool delivered its first batch" in results["training beside the main guard"][2]
     )
 
 
