@@ -18,7 +18,7 @@ from .sampling.plan import BucketOrder
 from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
 from .workers.resumable_loader import ResumableDataLoader
-from .workers.start import DEFAULT_WORKER_START, WorkerStart, start_server_early, worker_context
+from .workers.start import WorkerStart, check_start, start_server_early
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -79,8 +79,13 @@ class ImageEditDataloaderConfig:
     """Pin batches in page-locked memory (only when CUDA is available)."""
     prefetch_factor: int = 2
     """Batches each worker loads ahead."""
-    multiprocessing_context: WorkerStart = DEFAULT_WORKER_START
-    """How worker processes start: "forkserver" (never forks the training process), "spawn" or "fork"."""
+    multiprocessing_context: WorkerStart | None = None
+    """How workers start: "forkserver", "spawn" or "fork"; None: "forkserver", or "fork" once per loader where it must.
+
+    None forks the training process (once, at the pool's start) only when a fork-free worker could
+    not re-create the main module: a script without `if __name__ == "__main__":`, `python - < file`,
+    or a dataset defined in a notebook (logged once). An explicit fork-free choice there raises at once.
+    """
     worker_timeout: float = 600.0
     """Seconds a worker may take to start or to load one batch before the loader raises, naming it (0: wait forever)."""
     seed: int = 42
@@ -245,7 +250,7 @@ class ImageEditDataloaderConfig:
         )
         if not evaluation:  # batches workers may hold unloaded (prefetch_factor each), plus the one in hand
             sampler.observer = dataset.prefetcher(max(1, self.num_workers) * self.prefetch_factor + 1)
-        worker_context(self.multiprocessing_context)  # checks the name even without workers
+        check_start(self.multiprocessing_context)  # the name is checked even without workers
         workers: dict[str, Any] = {}
         if self.num_workers > 0:
             workers = {"prefetch_factor": self.prefetch_factor, "worker_start": self.multiprocessing_context}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 MAX_PROBLEM_CHARS = 1000  # a hostile value must not turn an error message into megabytes
 MAX_SHOWN_CHARS = 200
@@ -16,6 +16,11 @@ class CacheFormatError(ValueError):
         self.file = file
         self.field = field
         self.problem = problem
+
+    def __reduce__(self) -> tuple[type[CacheFormatError], tuple[str, str, str], dict[str, Any]]:
+        # Rebuilt from its three parts, not from the joined message: a worker process sends it to the
+        # training process by pickle, and a bench child sends it back to the bench.
+        return type(self), (self.file, self.field, self.problem), self.__dict__
 
 
 def fail(file: str, field: str, problem: str) -> NoReturn:

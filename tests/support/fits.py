@@ -30,8 +30,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from image_edit_data import BucketBatchSampler, ImageEditDataModule, ImageEditDataset
+from image_edit_data import ImageEditDataModule, ImageEditDataset
 from image_edit_data.lightning.monitor import ImageEditDataMonitor
+from image_edit_data.sampling.plan import plan_epoch
 
 KILLED_AFTER_CHECKPOINT = 17
 DIED_WHILE_SAVING = 18
@@ -110,16 +111,23 @@ class KillAfterCheckpoint(ModelCheckpoint):
 
 
 def planned(cache: Path, world: int, epoch: int) -> list[list[list[int]]]:
-    """Per rank, the batches the sampler plans for `epoch` at `world` ranks (batch size 2, drop_last)."""
+    """Per rank, the batches `epoch` plans at `world` ranks (batch size 2, drop_last, the default seed and order).
+
+    Computed by the pure plan function from the cache's buckets, not by the sampler under test: the
+    batches a resumed run trains on are compared with a plan that no sampler state took part in.
+    """
     members = ImageEditDataset(cache).index.bucket_members()
-    result = []
-    for rank in range(world):
-        sampler = BucketBatchSampler(
-            bucket_members=members, batch_sizes=[2] * len(members), rank=rank, world_size=world
-        )
-        sampler.set_epoch(epoch)
-        result.append([list(b) for b in sampler])
-    return result
+    plan = plan_epoch(
+        members,
+        [2] * len(members),
+        seed=42,
+        epoch=epoch,
+        world_size=world,
+        shuffle=True,
+        drop_last=True,
+        order="interleaved",
+    )
+    return [[plan.batch(step, rank).tolist() for step in range(len(plan))] for rank in range(world)]
 
 
 @dataclass

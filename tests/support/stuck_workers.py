@@ -37,3 +37,23 @@ class StuckAtStartUp(ImageEditDataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         time.sleep(STUCK_SECONDS)
         self.__dict__.update(state)
+
+
+class ReadTimesOut(ImageEditDataset):
+    """The batch at plan step `step` fails in its worker with an error of its own that mentions a timeout."""
+
+    def __init__(self, cache_dir: str, step: int) -> None:
+        super().__init__(cache_dir)
+        self.failing_step = step
+
+    def __getitems__(self, indices: list[int]) -> AssembledBatch:
+        if get_worker_info() is not None and getattr(indices, "step", None) == self.failing_step:
+            raise RuntimeError("s3://bucket/shard-0.tar: read timed out after 30 s")
+        return super().__getitems__(indices)
+
+
+class DiesAtStartUp(ImageEditDataset):
+    """Every worker ends while it unpickles the dataset, as one that cannot import the main module would."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise AttributeError("Can't get attribute 'MyDataset' on <module '__mp_main__'>")

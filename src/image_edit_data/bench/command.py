@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import track
 
 from .measure import LOADER_NOISE
+from .paths import resolve_path_options
 from .reference import import_reference
 from .report import render
 from .run import BenchOptions, run_index_only, run_loaders, run_worker_memory
@@ -165,6 +166,7 @@ def bench_main(argv: list[str]) -> int:
     console = make_console()
     try:
         args = _bench_parser().parse_args(argv)
+        resolve_path_options(args, ("cache_dir", "out", "json", "reference_path"))
         options = _options_from(args)
         spec = _spec_from(args)
         reference = import_reference(args.reference_path) if options.compare_reference else None

@@ -28,6 +28,7 @@ Opener = Callable[[str], Sized]
 
 def stored_index_files(root: Path) -> list[Path]:
     """Where our stored index of the cache's current shards would be read from."""
+    root = root.expanduser().resolve()  # the user-directory copy is named after the resolved path
     key = store_key(root)
     return [] if key is None else candidate_paths(root, key)
 

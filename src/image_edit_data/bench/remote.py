@@ -98,8 +98,7 @@ def first_batch(layout: Layout, args: Any, resume_at: int | None = None) -> tupl
 
 
 def close(built: Any) -> None:
-    if built.sampler.observer is not None:
-        built.sampler.observer.close()
+    built.dataloader.close()
 
 
 def drain(iterator: Iterator[Any], steps: int) -> tuple[int, int, float]:

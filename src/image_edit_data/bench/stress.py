@@ -22,6 +22,8 @@ from jsonargparse import ActionYesNo, ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
+from .paths import resolve_path_options
+
 
 @dataclass
 class StressRun:
@@ -58,7 +60,7 @@ def _parser() -> ArgumentParser:
         "--thread-churn",
         action=ActionYesNo,
         default=False,
-        help="Keep threads starting and exiting in the training process (what makes a fork of it hang).",
+        help="Keep threads starting and exiting in the training process (when a fork of it can hang).",
     )
     parser.add_argument("--hang-after", type=float, default=120.0, help="Seconds without progress that make a hang.")
     parser.add_argument("--out", type=str | None, default=None, help="Directory for cache and logs (default: temp).")
@@ -112,6 +114,7 @@ def stress_main(argv: list[str]) -> int:
     console = Console()
     try:
         args = _parser().parse_args(argv)
+        resolve_path_options(args, ("out", "json"))
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:

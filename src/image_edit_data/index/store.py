@@ -42,6 +42,7 @@ def store_key(root: Path) -> str | None:
 
     None when a shard is missing: then the parse reports it properly.
     """
+    root = Path(root).expanduser().resolve()  # containment checks compare resolved paths
     manifest, shards = load_manifest(root)  # checks containment and size before anything is hashed
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode())
     for shard in shards:

@@ -85,7 +85,9 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.train_dataset: ImageEditDataset | MixtureDataset | None = None
         self.val_dataset: ImageEditDataset | MixtureDataset | None = None
         self.train_loader: LightningLoader | None = None
-        self._open_loaders: list[LightningLoader] = []
+        # The loaders handed to Lightning, by role ("train", "val", "test"): a new one replaces (and closes)
+        # the last of its role, as `reload_dataloaders_every_n_epochs` asks for one each time.
+        self._loaders: dict[str, LightningLoader] = {}
         self._pending_state: dict[str, Any] | None = None
 
     def prepare_data(self) -> None:
@@ -135,8 +137,7 @@ class ImageEditDataModule(pl.LightningDataModule):
         if self._pending_state is not None:
             self.restore_position(sampler, self._pending_state)
             self._pending_state = None
-        self.train_loader = LightningLoader(built.dataloader, sampler)
-        self._open_loaders.append(self.train_loader)
+        self.train_loader = self.hand_out("train", LightningLoader(built.dataloader, sampler))
         return self.train_loader
 
     def _build_train(self) -> DiffusionDataloaderBuild:
@@ -190,7 +191,7 @@ class ImageEditDataModule(pl.LightningDataModule):
     def _val_loader(self) -> LightningLoader | list:
         if self.val_dataset is None and self.val_cache_dir:
             self.setup("validate")
-        return self.eval_loader() if self.val_dataset is not None else []
+        return self.hand_out("val", self.eval_loader()) if self.val_dataset is not None else []
 
     def test_dataloader(self) -> LightningLoader | FailedLoader:
         """Test loader over `val_cache_dir` (or the training cache when none is set)."""
@@ -199,7 +200,7 @@ class ImageEditDataModule(pl.LightningDataModule):
     def _test_loader(self) -> LightningLoader:
         if self.val_dataset is None:
             self.setup("test")
-        return self.eval_loader()
+        return self.hand_out("test", self.eval_loader())
 
     def eval_loader(self) -> LightningLoader:
         """A loader that shows every evaluation sample exactly once across ranks."""
@@ -207,8 +208,14 @@ class ImageEditDataModule(pl.LightningDataModule):
         built = self.config.build_for(
             dataset=self.val_dataset, dp_rank=rank, dp_world_size=world, batch_size=self.batch_size, evaluation=True
         )
-        loader = LightningLoader(built.dataloader, built.sampler)
-        self._open_loaders.append(loader)
+        return LightningLoader(built.dataloader, built.sampler)
+
+    def hand_out(self, role: str, loader: LightningLoader) -> LightningLoader:
+        """`loader` for `role`, closing the one it replaces (its workers, prefetch threads and shard pins)."""
+        replaced = self._loaders.get(role)
+        if replaced is not None:
+            replaced.close()
+        self._loaders[role] = loader
         return loader
 
     def teardown(self, stage: str) -> None:
@@ -220,10 +227,10 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.close_loaders()
 
     def close_loaders(self) -> None:
-        """Stop every loader this module handed out and forget all but the training one's position."""
-        for loader in self._open_loaders:
+        """Stop every loader this module handed out (their resources; the training one keeps its position)."""
+        for loader in self._loaders.values():
             loader.close()
-        self._open_loaders = [self.train_loader] if self.train_loader is not None else []
+        self._loaders = {"train": self.train_loader} if self.train_loader is not None else {}
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, batches trained on and fingerprint: the same on every rank, as rank 0's is the one saved.

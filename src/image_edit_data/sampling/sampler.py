@@ -17,8 +17,8 @@ the next epoch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,6 +41,14 @@ class PlannedBatch(list):
         super().__init__(indices)
         self.epoch = epoch
         self.step = step
+
+
+class BatchObserver(Protocol):
+    """Told of each batch as the sampler hands it out (the remote shard prefetcher); closed with its loader."""
+
+    def __call__(self, sampler: Any, step: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ResumeMismatchError(ValueError):
@@ -106,7 +114,7 @@ class BucketBatchSampler:
         self.mixture = mixture
         # Called as observer(self, step) as each batch is handed out, and with step = len(self) once the
         # epoch is handed out (the remote shard prefetcher).
-        self.observer: Callable[[Any, int], None] | None = None
+        self.observer: BatchObserver | None = None
         self.epoch = epoch
         self.consumed = 0
         self.history: list[tuple[int, int]] = []
@@ -120,6 +128,11 @@ class BucketBatchSampler:
         self._requested_epoch: int | None = None
         self._plan_key: tuple[Any, ...] | None = None
         self._plan: EpochPlan | None = None
+
+    def close(self) -> None:
+        """Stop what the observer runs (prefetch threads, shard pins); it starts again at the next batch handed out."""
+        if self.observer is not None:
+            self.observer.close()
 
     @property
     def sampler(self) -> BucketBatchSampler:

@@ -126,6 +126,11 @@ class ShardCache:
                 fcntl.flock(descriptor, fcntl.LOCK_SH)
                 self._pins[number] = descriptor
 
+    def pinned(self) -> set[int]:
+        """The shards this process pins now (a copy: `pin()` changes the pins from another thread)."""
+        with self._lock:
+            return set(self._pins)
+
     def used_bytes(self) -> tuple[int, list[tuple[float, Path, int]]]:
         """Bytes of complete shards and downloads in progress, and the complete shards as (mtime, path, size)."""
         used, complete = 0, []
@@ -162,7 +167,7 @@ class ShardCache:
             if self.local_path(number).exists() or self.downloading(number):
                 return None  # done, or another rank or worker on the node is fetching it
             used, complete = self.used_bytes()
-            mine = {str(self.local_path(n)) for n in self._pins}
+            mine = {str(self.local_path(n)) for n in self.pinned()}
             for _, path, size in sorted(complete):
                 if used + need <= self.budget:
                     break

@@ -9,15 +9,25 @@
   any `num_workers` on either side. So torchdata's own per-step snapshot of the loader state
   (the sampler's state built with every batch handed to a worker, the workers' state sent back
   with every batch) would serve nothing: it is turned off.
-- A worker that does not answer within `worker_timeout` becomes a `LoaderWorkerTimeoutError`
-  naming the rank, the worker and what it was doing (`workers/watch.py`).
+- Torch waits for the workers with no timeout of its own, so it checks every few seconds that each
+  one is alive: a worker that died, even one that is not a child of this process (a fork server's),
+  ends the wait within seconds. A worker that does not answer within `worker_timeout`, by this
+  process's clock (`workers/deadline.py`), becomes a `LoaderWorkerTimeoutError` naming the rank, the
+  worker and what it was doing (`workers/watch.py`).
+- `close()` and every failure of the pool end it: its processes are gone when they return.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
+import logging
+import multiprocessing
+import traceback
 import weakref
-from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterator, Set
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn, TypeVar
 
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -25,8 +35,12 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ..contract.batch import Batch
 from ..sampling.resume import loader_state, note_consumed, sampler_state_of
 from ..sampling.sampler import BucketBatchSampler
-from .start import DEFAULT_WORKER_START, WorkerStart, start_failure_hint, worker_context
+from .deadline import WaitDeadline, end_processes
+from .start import WorkerStart, choose_start, refuse_a_rerun_of_main, start_failure_hint, worker_context
 from .watch import LoaderWorkerTimeoutError, WatchedDataset, WorkerWatch
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ResumableDataLoader(StatefulDataLoader):
@@ -40,19 +54,19 @@ class ResumableDataLoader(StatefulDataLoader):
         collate_fn: Callable[[Any], Batch],
         num_workers: int,
         worker_timeout: float,
-        worker_start: WorkerStart = DEFAULT_WORKER_START,
+        worker_start: WorkerStart | None = None,
         **options: Any,
     ) -> None:
         self.watch = WorkerWatch(num_workers, batch_sampler.rank, worker_timeout) if num_workers > 0 else None
+        self.worker_start: WorkerStart | None = None
         workers: dict[str, Any] = {}
         if self.watch is not None:
+            self.worker_start = choose_start(worker_start, (dataset, collate_fn))
             workers = {
-                "multiprocessing_context": worker_context(worker_start),
+                "multiprocessing_context": worker_context(self.worker_start),
                 "persistent_workers": True,
-                "timeout": worker_timeout,
                 "worker_init_fn": self.watch.worker_init_fn(),
             }
-        if self.watch is not None:
             dataset = WatchedDataset(dataset, self.watch)  # workers mark each batch they fetch
         super().__init__(
             dataset,
@@ -64,11 +78,18 @@ class ResumableDataLoader(StatefulDataLoader):
             **options,
         )
         batch_sampler.consumption_tracked = True
-        self.worker_start = worker_start
+        self.worker_timeout = worker_timeout
         # Weak: the pass refers to this loader, and a strong link back would keep both (and the pool) alive
         # until the cyclic garbage collector ran.
         self._pass_in_progress: weakref.ref[Generator[Batch, None, None]] | None = None
-        self._pool_started = False
+        # Torch's iterator of the current pass. Held here and nowhere else (no local variable of a
+        # running frame), so that ending the pool releases the iterator, whose finaliser stops the workers.
+        self._batches: Iterator[Batch] | None = None
+        self._pool: list[BaseProcess] = []  # the running pool's processes
+        self._pool_running = False
+        self._pool_answered = False  # the running pool has delivered a batch
+        self._deadline: WaitDeadline | None = None
+        self._existing: set[int | None] = set()  # child processes before the running pool started
 
     def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
         """This pass's batches; each one moves the sampler's consumed position as it is handed over."""
@@ -77,37 +98,121 @@ class ResumableDataLoader(StatefulDataLoader):
         return batches
 
     def _pass(self) -> Generator[Batch, None, None]:
-        # A generator: the pool starts (or resumes) at the first `next`, inside the timeout guard.
+        # A generator: the pool starts (or resumes) at the first `next`, inside the guard.
         sampler: BucketBatchSampler = self.batch_sampler  # type: ignore[assignment]
-        batches = self._guarded(lambda: super(ResumableDataLoader, self).__iter__())
+        self._guarded(self._start_pass)
         while True:
-            batch = self._guarded(lambda: next(batches, None))
+            batch = self._guarded(self._next_batch)
             if batch is None:
                 sampler.note_pass_end()
                 return
             note_consumed(sampler, batch)
             yield batch
 
-    def _guarded(self, step: Callable[[], Any]) -> Any:
-        """Run one step of torch's loader; its timeout becomes an error naming the late worker."""
-        if self.watch is not None and not self._pool_started:
-            self.watch.reset()  # a pool is about to start
+    def _start_pass(self) -> None:
+        self._batches = super().__iter__()
+
+    def _next_batch(self) -> Batch | None:
+        if self._batches is None:
+            raise RuntimeError("the loader's pool was shut down during this pass; start a new pass")
+        return next(self._batches, None)
+
+    def _guarded(self, step: Callable[[], T]) -> T:
+        """Run one step of torch's loader under the pool's deadline; turn a failure of the pool into a clear error."""
+        if self.watch is None:
+            return step()
+        starting = not self._pool_running
+        if starting:
+            self._start_pool()
+        if self._deadline is not None:
+            self._deadline.begin()
         try:
             result = step()
-            self._pool_started = self.watch is not None
-            return result
-        except RuntimeError as error:
-            if self.watch is None:
-                raise
-            if "timed out" not in str(error):
-                if not self._pool_started and "exited unexpectedly" in str(error):
-                    hint = start_failure_hint(self.worker_start)
-                    raise RuntimeError(f"{error} while the pool started{hint}") from error
-                raise
-            message = self.watch.describe()
-            self._pass_in_progress = None  # the pass raising this ends with it (it cannot close itself)
-            self.close()
-            raise LoaderWorkerTimeoutError(message) from error
+        except BaseException as error:
+            verdict = self._stop_clock(starting)
+            if verdict is not None and isinstance(error, Exception):
+                self._end_pool(error)
+                raise LoaderWorkerTimeoutError(verdict) from error
+            self._fail(error, starting)
+        verdict = self._stop_clock(starting)
+        if verdict is not None:  # the batch came just as the deadline ended the pool
+            self._end_pool()
+            raise LoaderWorkerTimeoutError(verdict)
+        if result is not None:
+            self._pool_answered = True
+        return result
+
+    def _stop_clock(self, starting: bool) -> str | None:
+        """The loader stopped waiting: the deadline's verdict, if it ended the pool; note a new pool's processes."""
+        while True:
+            try:
+                verdict = self._deadline.end() if self._deadline is not None else None
+                if starting:
+                    self._pool = self._new_processes()
+                return verdict
+            except RuntimeError:
+                # Torch's SIGCHLD handler reporting a worker the deadline has just killed (a child of this process):
+                # the deadline holds its lock until every such worker is reaped, so this ends.
+                continue
+
+    def _fail(self, error: BaseException, starting: bool) -> NoReturn:
+        """Re-raise a failure of torch's loader, ending the pool first when it cannot go on: one of its workers has
+        ended (even one that is not a child of this process), or it failed to start."""
+        if not isinstance(error, Exception):
+            raise error
+        release_frames(error)  # whoever keeps the error must not keep torch's iterator, and with it the pool, alive
+        # `_pool` holds the processes alive when the pool was seen last; torch drops ended ones from this
+        # process's list of children as it finds them, so a pool starting with fewer than it asked for lost some.
+        ended = len(self._pool) < self.num_workers or any(process.exitcode is not None for process in self._pool)
+        if not ended and not starting:
+            raise error  # a worker's own error: the pool lives on, as torch's does
+        answered = self._pool_answered
+        self._end_pool(error)
+        if answered or not ended:
+            raise error
+        raise RuntimeError(f"{error} before the pool delivered its first batch{start_failure_hint(self.worker_start)}")
+
+    def _start_pool(self) -> None:
+        """Before the step that starts a pool: a fresh watch table, and the deadline over the processes it starts."""
+        assert self.watch is not None
+        refuse_a_rerun_of_main()
+        self.watch.renew()
+        self._existing = {process.pid for process in multiprocessing.active_children()}
+        self._pool_running = True
+        if self.worker_timeout > 0:
+            # The pool's processes are known only once torch has started them, inside the step the deadline covers.
+            processes = functools.partial(children_since, frozenset(self._existing))
+            self._deadline = WaitDeadline(processes, self.worker_timeout, self.watch.describe)
+
+    def _new_processes(self) -> list[BaseProcess]:
+        """The child processes started since `_start_pool`: this pool's workers (nothing else starts meanwhile)."""
+        return children_since(self._existing)
+
+    def _end_pool(self, error: BaseException | None = None) -> None:
+        """Stop the running pool; its processes are gone when this returns, and the next pass starts a new one."""
+        processes, self._pool = self._pool, []
+        if self._deadline is not None:
+            self._deadline.stop()
+            self._deadline = None
+        if error is not None:
+            release_frames(error)
+            if self.worker_start == "forkserver":
+                # A failed pool's workers may be stuck: end them now rather than have torch wait for each. A fork
+                # server's workers are not children of this process, so no SIGCHLD reaches torch's handler.
+                end_processes(processes)
+        batches = weakref.ref(self._batches) if self._batches is not None else None
+        self._batches = None
+        self._pool_running = False
+        self._pool_answered = False
+        super().load_state_dict({})  # torchdata's public way to drop its iterator, whose finaliser stops the pool
+        if batches is not None and batches() is not None:
+            gc.collect()  # held in a reference cycle: the collector runs its finaliser
+        if batches is not None and batches() is not None and self.worker_start != "forkserver":
+            # Torch's finaliser has not run, so its SIGCHLD handler still watches these children: ending them
+            # here would raise in this process. (A fork server's workers are not children: they end below.)
+            log.warning("the loader's old worker pool is still referenced; its workers end when it is collected")
+            return
+        end_processes([process for process in processes if process.exitcode is None])
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's consumed position (never counts batches workers only prefetched)."""
@@ -120,10 +225,35 @@ class ResumableDataLoader(StatefulDataLoader):
             self.batch_sampler.load_state_dict(sampler_state_of(state_dict))  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """Shut this loader's worker pool down now; the next pass starts a new one."""
+        """Shut this loader's worker pool down now (its processes are gone on return) and stop its prefetching.
+
+        The next pass starts a new pool.
+        """
         current = self._pass_in_progress() if self._pass_in_progress is not None else None
         if current is not None:
-            current.close()  # releases the torchdata iterator it holds
+            current.close()
         self._pass_in_progress = None
-        self._pool_started = False
-        super().load_state_dict({})  # torchdata's public way to drop the live iterator, whose finaliser stops the pool
+        self._end_pool()
+        self.batch_sampler.close()  # type: ignore[union-attr]
+
+
+def children_since(existing: Set[int | None]) -> list[BaseProcess]:
+    """This process's running child processes other than `existing`."""
+    return [process for process in multiprocessing.active_children() if process.pid not in existing]
+
+
+def release_frames(error: BaseException) -> None:
+    """Drop the local variables of the finished frames in the traceback of `error` and of its causes.
+
+    Those are the loader's and torch's frames below the step that raised it (running frames are left
+    alone), and torch's hold its iterator, whose finaliser is what stops the workers: kept by the
+    error (and by whoever catches it), they would keep the pool running. Torch chains its own errors
+    by cause (`raise ... from`); an exception being handled when the step ran (the context) is the
+    caller's, and left as it is.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current = current.__cause__

@@ -1,25 +1,152 @@
-"""How loader workers start: the multiprocessing context, and what a fork-free server loads once."""
+"""How loader workers start: the start method this process's main module allows, and what a fork server loads once.
+
+A worker started without a fork of the training process ("forkserver", "spawn") imports the main
+module again, under the name `__mp_main__`: it runs the main script's top level, and it finds
+there what the loader hands it by reference (a dataset class, a collate function). That works for
+a script that trains under `if __name__ == "__main__":`, and for `python -c` or a notebook kernel
+as long as nothing handed to workers is defined in `__main__`. It cannot work for a script without
+that guard (each worker would train), for `python - < script.py` (there is no file to run again),
+or for a class defined in a notebook. `choose_start` finds those cases before any worker starts.
+"""
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import logging
 import multiprocessing
 import multiprocessing.forkserver
+import os
 import sys
+import types
+from collections.abc import Iterable
 from multiprocessing.context import BaseContext
 from typing import Literal
 
+log = logging.getLogger(__name__)
+
 WorkerStart = Literal["forkserver", "spawn", "fork"]
 WORKER_STARTS: tuple[WorkerStart, ...] = ("forkserver", "spawn", "fork")
-# "forkserver": workers are forked from a small single-threaded server, never from the training
-# process and its threads; the pool starts once per loader (docs/performance.md#worker-start-up).
+# What `multiprocessing_context=None` (the default) starts with when the main module allows it:
+# workers are forked from a small single-threaded server, never from the training process and its
+# threads; the pool starts once per loader (docs/performance.md#worker-start-up).
 DEFAULT_WORKER_START: WorkerStart = "forkserver"
+# What the default falls back to, once per pool, when a fork-free start cannot re-create the main module.
+FALLBACK_WORKER_START: WorkerStart = "fork"
 # Imported once by the fork server, so each worker it forks starts with them loaded.
 READ_PATH_MODULES = ["torch", "image_edit_data.dataset", "image_edit_data.batch.collate"]
-
-
 # Imported by the server too when the training process has them: a worker that runs the main script
 # again then finds them loaded rather than importing them itself.
 FRAMEWORKS = ["lightning.pytorch"]
+
+FIX = (
+    'keep the code that trains under `if __name__ == "__main__":` in a script run by its path, and define '
+    "what the loader hands its workers (dataset, collate_fn) in an importable module; or set "
+    "multiprocessing_context='fork' (or leave it unset, and the loader forks its workers when it must)"
+)
+
+_noted: set[str] = set()  # fall-backs already logged by this process
+
+
+def main_module_problem(handed: Iterable[object] = ()) -> str | None:
+    """Why a fork-free worker could not re-create this process's main module for `handed`, or None when it can."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None:  # `python -c`, the REPL, a notebook kernel: nothing to run again, nothing to import from
+        defined = sorted({name for name in map(main_name, handed) if name is not None})
+        if defined:
+            return f"{', '.join(defined)} {'is' if len(defined) == 1 else 'are'} defined in __main__, which has no file"
+        return None
+    if not os.path.isfile(path):
+        return f"the main module was read from {path!r}, not from a file a worker can run again"
+    if not has_main_guard(path):
+        return f'{path} has no `if __name__ == "__main__":` block, so each worker would run its training again'
+    return None
+
+
+def main_name(obj: object) -> str | None:
+    """`obj`'s name when it (or its class) is defined in `__main__`, else None."""
+    defined = obj if isinstance(obj, (type, types.FunctionType)) else type(obj)
+    return defined.__qualname__ if defined.__module__ == "__main__" else None
+
+
+@functools.lru_cache(maxsize=16)
+def has_main_guard(path: str) -> bool:
+    """Whether the script at `path` has a top-level `if __name__ == "__main__":` (True when it cannot be read)."""
+    try:
+        with open(path, "rb") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError):  # a compiled main, say: assume the usual guard
+        return True
+    return any(isinstance(node, ast.If) and is_main_test(node.test) for node in tree.body)
+
+
+def is_main_test(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    constants = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and constants == ["__main__"]
+
+
+def choose_start(requested: WorkerStart | None, handed: Iterable[object] = ()) -> WorkerStart:
+    """The start method of a pool: `requested` when given (refused if it cannot work here), else the default's choice.
+
+    The default is "forkserver", or "fork" (logged once) when a fork-free worker could not re-create
+    the main module: the pool still starts once per loader, so the training process forks once, not
+    per epoch. An explicit fork-free choice that cannot work raises at once instead of leaving
+    every worker to fail.
+    """
+    check_start(requested)
+    if requested == "fork":
+        return requested
+    problem = main_module_problem(handed)
+    if problem is None:
+        return requested or DEFAULT_WORKER_START
+    if requested is None and FALLBACK_WORKER_START in multiprocessing.get_all_start_methods():
+        if problem not in _noted:
+            _noted.add(problem)
+            log.warning(
+                "loader workers start with multiprocessing_context='fork' in this process: a fork-free start "
+                "cannot re-create the main module here (%s)",
+                problem,
+            )
+        return FALLBACK_WORKER_START
+    chosen = requested or DEFAULT_WORKER_START
+    raise RuntimeError(f"multiprocessing_context={chosen!r} cannot start loader workers here: {problem}. To fix: {FIX}")
+
+
+def check_start(start: WorkerStart | None) -> None:
+    """Refuse an unknown start method name (None is the default's choice)."""
+    if start is not None and start not in WORKER_STARTS:
+        raise ValueError(f"multiprocessing_context must be one of {WORKER_STARTS} or None, got {start!r}")
+
+
+def refuse_a_rerun_of_main() -> None:
+    """Raise when a worker, running the main script's top level again, is about to start a pool of its own.
+
+    That is the training code of a script that runs it outside `if __name__ == "__main__":`; failing
+    here ends the worker at once with the fix named, and the training process reports the worker that
+    ended before its first batch. (Building a loader there is harmless: only starting one is not.)
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise RuntimeError(f"a loader worker is running the main script's training code again. To fix: {FIX}")
+        frame = frame.f_back
+
+
+def start_failure_hint(start: WorkerStart | None) -> str:
+    """What to check when a worker ends before it delivers its first batch."""
+    if start == "fork":
+        return "; the worker's own error is printed above it"
+    return (
+        f"; with multiprocessing_context={start!r} each worker imports the main module again, and the worker's "
+        f"own error is printed above it. If it could not, {FIX}"
+    )
 
 
 def server_preload() -> list[str]:
@@ -27,27 +154,18 @@ def server_preload() -> list[str]:
 
     Each worker of a fork-free start runs the main module's top level again (as spawn does), which
     is cheap only if what it imports is loaded already: the server imports the read path and the
-    frameworks the training process uses. (Importing a `python -m` main module itself in the server
-    would make runpy warn in every worker.)
+    frameworks the training process uses. Not the main module itself: CPython ignored a `__main__`
+    entry until gh-126631 (3.14, and a 3.13 patch release), and since runs the script in the server
+    (with an empty `sys.argv` in some releases, gh-143706); leaving it out keeps one behaviour on
+    every version.
     """
     loaded = [name for name in FRAMEWORKS if name in sys.modules]
-    return ["__main__", *READ_PATH_MODULES, *loaded]
-
-
-def start_failure_hint(start: WorkerStart) -> str:
-    """What to check when a worker of a fork-free start dies before it answers."""
-    if start == "fork":
-        return ""
-    return (
-        f"; with multiprocessing_context={start!r} each worker runs the main script's top level again, so keep "
-        "the code that trains under `if __name__ == '__main__':` (or set multiprocessing_context='fork')"
-    )
+    return [*READ_PATH_MODULES, *loaded]
 
 
 def worker_context(start: WorkerStart) -> BaseContext:
     """The multiprocessing context workers start with (the fork server preloads torch and the read path)."""
-    if start not in WORKER_STARTS:
-        raise ValueError(f"multiprocessing_context must be one of {WORKER_STARTS}, got {start!r}")
+    check_start(start)
     context = multiprocessing.get_context(start)
     if start == "forkserver":
         # Takes effect only if this process has not started its fork server yet; harmless otherwise.
@@ -55,13 +173,17 @@ def worker_context(start: WorkerStart) -> BaseContext:
     return context
 
 
-def start_server_early(start: WorkerStart, num_workers: int) -> None:
+def start_server_early(start: WorkerStart | None, num_workers: int) -> None:
     """Start the fork server now, so that its imports run while the cache opens and training sets up.
 
     Starting it takes milliseconds; the server then imports torch and the read path in its own process
     (about a second), which would otherwise all come before the pool's first batch. Only for a
-    loader with workers started by the fork server (the default).
+    loader with workers started by the fork server (the default, unless the main module cannot be
+    re-created here: then the pool forks and no server is started).
     """
-    if start == "forkserver" and num_workers > 0:
-        worker_context(start)  # the server's preload is fixed when it starts
-        multiprocessing.forkserver.ensure_running()
+    if num_workers <= 0 or start == "fork" or start == "spawn":
+        return
+    if start is None and main_module_problem() is not None:
+        return
+    worker_context("forkserver")  # the server's preload is fixed when it starts
+    multiprocessing.forkserver.ensure_running()

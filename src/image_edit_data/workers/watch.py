@@ -34,18 +34,23 @@ class WorkerWatch:
     """One row per worker of a pool, in shared memory: phase, (epoch, step) of its batch, since when (ns)."""
 
     def __init__(self, num_workers: int, rank: int, timeout: float) -> None:
-        self.table = torch.zeros(num_workers, 4, dtype=torch.int64).share_memory_()
+        self.workers = num_workers
+        self.table = self.new_table()
         self.rank = rank
         self.timeout = timeout
         self.owner = os.getpid()  # the training process the workers serve
+
+    def new_table(self) -> torch.Tensor:
+        """A zeroed table in shared memory: no worker has started."""
+        return torch.zeros(self.workers, 4, dtype=torch.int64).share_memory_()
 
     def worker_init_fn(self) -> Callable[[int], None]:
         """The loader's `worker_init_fn`: picklable, so it works with every start method."""
         return functools.partial(start_worker, self)
 
-    def reset(self) -> None:
-        """A new pool: no worker has started yet."""
-        self.table.zero_()
+    def renew(self) -> None:
+        """A new pool gets a table of its own: a worker of an earlier pool that still runs writes only to its own."""
+        self.table = self.new_table()
 
     def mark(self, worker: int, phase: int, epoch: int = -1, step: int = -1) -> None:
         """Record `worker`'s phase now."""

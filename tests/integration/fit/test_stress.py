@@ -1,4 +1,4 @@
-"""The stress command's short run: a DDP fit with loader workers over many epoch changes, never hanging."""
+"""The stress command's short run: a DDP fit with loader workers over 40 epoch changes finishes on every rank."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ EPOCHS = 40
 
 @pytest.mark.slow
 def test_a_ddp_fit_with_workers_and_churning_threads_changes_epoch_many_times_without_a_hang(tmp_path: Path) -> None:
-    """Threads start and exit in the training process all the time: a fork of it per epoch hung within a few epochs."""
+    """Threads start and exit in the training process throughout; every epoch ends on both ranks, none stalls 90 s.
+
+    This runs the stress command end to end. It does not reproduce the hang a fork per epoch can cause (that race
+    never struck in our runs of the old loader either: docs/performance.md#epoch-changes-under-ddp); the tests of
+    the mechanism are in test_datamodule.py (one pool serves every pass, a fork-free start forks nothing).
+    """
     results = tmp_path / "stress.json"
     argv = ["--epochs", str(EPOCHS), "--runs", "1", "--thread-churn", "--hang-after", "90"]
     code = stress_main([*argv, "--out", str(tmp_path / "runs"), "--json", str(results)])

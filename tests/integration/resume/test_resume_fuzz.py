@@ -194,7 +194,12 @@ def stitch(attempts: list[Attempt], rank: int) -> list[Record]:
 
 
 def uninterrupted(cache: Path, rank: int) -> list[Record]:
-    """The records an uninterrupted fit writes on `rank`: the planned batches, one step each."""
+    """The records an uninterrupted fit writes on `rank`: the planned batches, one step each.
+
+    The plan comes from the pure plan function (`support.fits.planned`), not from the sampler whose
+    resume is under test, so a sampler that resumed into the wrong epoch or step cannot agree with it
+    by sharing the mistake.
+    """
     batches = [(epoch, ids) for epoch in range(EPOCHS) for ids in planned(cache, RANKS, epoch)[rank]]
     return [{"epoch": epoch, "step": step, "ids": ids} for step, (epoch, ids) in enumerate(batches, start=1)]
 
@@ -215,8 +220,8 @@ def test_a_ddp_fit_killed_at_random_steps_trains_on_exactly_the_batches_of_an_un
     tmp_path: Path,
 ) -> None:
     cache = tiny_cache(tmp_path / "cache", counts=(13, 11, 9))
-    # An uninterrupted fit trains on the sampler's plan (test_datamodule_resume.py checks one against it
-    # and uses it as its DDP baseline too), so the plan stands in for that run here: one DDP start less.
+    # An uninterrupted fit trains on the epoch plan (test_datamodule_resume.py checks one against it and
+    # uses it as its DDP baseline too), so the plan stands in for that run here: one DDP start less.
     baseline = [uninterrupted(cache, rank) for rank in range(RANKS)]
     for rank in range(RANKS):
         assert [len(epoch) for epoch in by_epoch(baseline[rank])] == [STEPS_PER_EPOCH] * EPOCHS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -61,12 +62,23 @@ def test_bad_loader_settings_are_value_errors(cache: Path) -> None:
         config(cache, num_workers=-1).build(dp_rank=0, dp_world_size=1, batch_size=1)
 
 
-def test_ranks_get_disjoint_equal_batches(cache: Path) -> None:
+def test_ranks_get_disjoint_equal_batches(tmp_path: Path) -> None:
+    """Bucket sizes that two ranks of batches of 2 divide evenly: no padding, so every sample goes to one rank once."""
+    cache = tiny_cache(tmp_path, counts=(8, 12, 4))
     loaders = [config(cache).build(dp_rank=r, dp_world_size=2, batch_size=2).dataloader for r in range(2)]
     per_rank = [[ids(b) for b in loader] for loader in loaders]
-    assert len(per_rank[0]) == len(per_rank[1])
-    for a, b in zip(*per_rank):
-        assert not set(a) & set(b) or len(set(a) | set(b)) < 4  # overlap only from rank padding
+    assert len(per_rank[0]) == len(per_rank[1]) == 6
+    taken = Counter(i for batches in per_rank for batch in batches for i in batch)
+    assert sorted(taken) == list(range(24)) and set(taken.values()) == {1}
+
+
+def test_ranks_share_only_the_samples_that_pad_an_uneven_bucket(cache: Path) -> None:
+    """Buckets of 13, 11 and 9 samples: each is padded by one repeat so that both ranks get as many."""
+    loaders = [config(cache).build(dp_rank=r, dp_world_size=2, batch_size=2).dataloader for r in range(2)]
+    per_rank = [Counter(i for b in loader for i in ids(b)) for loader in loaders]
+    assert sum(per_rank[0].values()) == sum(per_rank[1].values())
+    assert set(per_rank[0].values()) == set(per_rank[1].values()) == {1}  # no rank sees a sample twice
+    assert len(per_rank[0].keys() & per_rank[1].keys()) <= 3  # at most one padding repeat per bucket
 
 
 def test_dynamic_batch_size_keeps_each_batch_within_one_token_budget(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from support import ROOT
 from support.caches import tiny_cache
-from support.stuck_workers import STUCK_SECONDS, StuckAtStartUp, StuckInBatch
+from support.processes import SeenWorkers, alive
+from support.stuck_workers import STUCK_SECONDS, DiesAtStartUp, ReadTimesOut, StuckAtStartUp, StuckInBatch
 
 from image_edit_data import ImageEditDataloaderConfig
 from image_edit_data.workers import LoaderWorkerTimeoutError
@@ -35,48 +36,97 @@ def config(cache_dir: Path) -> ImageEditDataloaderConfig:
     return ImageEditDataloaderConfig(cache_dir=str(cache_dir), num_workers=2, worker_timeout=TIMEOUT)
 
 
-def test_a_worker_stuck_in_a_batch_raises_naming_rank_worker_and_batch(cache_dir: Path) -> None:
+def test_a_worker_stuck_in_a_batch_raises_naming_rank_worker_and_batch_and_leaves_no_worker(cache_dir: Path) -> None:
     cfg = config(cache_dir)
     dataset = StuckInBatch(str(cache_dir), worker=1, step=3)  # batches go to workers in turn: 1, 3, ... to worker 1
     built = cfg.build_for(dataset=dataset, dp_rank=1, dp_world_size=2, batch_size=2)
     started = time.monotonic()
     got = []
-    with pytest.raises(
-        LoaderWorkerTimeoutError,
-        match=rf"rank 1: a loader worker did not answer within worker_timeout={TIMEOUT:g} s: "
-        r"worker 1 of 2 has been loading batch 3 of epoch 0 for \d+ s",
+    with (
+        SeenWorkers() as workers,
+        pytest.raises(
+            LoaderWorkerTimeoutError,
+            match=rf"rank 1: a loader worker did not answer within worker_timeout={TIMEOUT:g} s: "
+            r"worker 1 of 2 has been loading batch 3 of epoch 0 for \d+ s",
+        ) as raised,
     ):
         for batch in built.dataloader:
             got.append(batch["metadata"]["position"])
     assert got == [[0, 0], [0, 1], [0, 2]]  # everything before the stuck batch arrived
     assert time.monotonic() - started < STUCK_SECONDS / 2  # the loader did not wait for the worker
+    # Gone while the error is still held (by a supervisor's handler, say), the stuck worker too.
+    assert raised.value is not None and len(workers.seen) == 2 and workers.still_running() == []
     # The position stays at the first batch not trained on, so a restarted run resumes exactly there.
     assert built.sampler.state_dict()["consumed"] == 3
 
 
-def test_workers_stuck_at_start_up_raise_naming_each_one(cache_dir: Path) -> None:
+def test_workers_stuck_at_start_up_raise_naming_each_one_and_are_gone(cache_dir: Path) -> None:
     built = config(cache_dir).build_for(
         dataset=StuckAtStartUp(str(cache_dir)), dp_rank=0, dp_world_size=1, batch_size=2
     )
     started = time.monotonic()
-    with pytest.raises(
-        LoaderWorkerTimeoutError,
-        match=r"rank 0: .*worker 0 of 2 never started \(stuck in start-up\); worker 1 of 2 never started",
+    with (
+        SeenWorkers() as workers,
+        pytest.raises(
+            LoaderWorkerTimeoutError,
+            match=r"rank 0: .*worker 0 of 2 never started \(stuck in start-up\); worker 1 of 2 never started",
+        ) as raised,
     ):
         next(iter(built.dataloader))
     assert time.monotonic() - started < STUCK_SECONDS / 2
+    assert raised.value is not None and len(workers.seen) == 2 and workers.still_running() == []
 
 
-def test_the_loader_runs_again_after_a_timeout(cache_dir: Path) -> None:
+def test_the_loader_runs_again_after_a_timeout_with_a_new_pool_and_watch_table(cache_dir: Path) -> None:
     """The stuck pool is shut down; the next pass starts a new one at the first batch not consumed."""
     dataset = StuckInBatch(str(cache_dir), worker=0, step=2)
     built = config(cache_dir).build_for(dataset=dataset, dp_rank=0, dp_world_size=1, batch_size=2)
-    with pytest.raises(LoaderWorkerTimeoutError, match="worker 0 of 2 has been loading batch 2"):
+    with (
+        SeenWorkers() as old,
+        pytest.raises(LoaderWorkerTimeoutError, match="worker 0 of 2 has been loading batch 2") as raised,
+    ):
         list(built.dataloader)
+    assert raised.value is not None and len(old.seen) == 2 and old.still_running() == []
+    old_table = built.dataloader.watch.table
     dataset.stuck_step = -1
     built.sampler.set_epoch(0)
-    rest = [batch["metadata"]["position"][1] for batch in built.dataloader]
+    with SeenWorkers() as new:
+        rest = [batch["metadata"]["position"][1] for batch in built.dataloader]
     assert rest == list(range(2, len(built.sampler)))
+    assert len(new.seen) == 2 and not new.seen & old.seen
+    # A worker of the old pool writes only to its own table, never into the new pool's.
+    assert built.dataloader.watch.table.data_ptr() != old_table.data_ptr()
+    built.dataloader.close()
+
+
+def test_a_worker_error_that_mentions_a_timeout_is_that_error_not_a_worker_timeout(cache_dir: Path) -> None:
+    dataset = ReadTimesOut(str(cache_dir), step=1)
+    built = config(cache_dir).build_for(dataset=dataset, dp_rank=0, dp_world_size=1, batch_size=2)
+    started = time.monotonic()
+    caught = r"(?s)Caught RuntimeError in DataLoader worker process 1.*read timed out"
+    with pytest.raises(RuntimeError, match=caught) as error:
+        list(built.dataloader)
+    assert not isinstance(error.value, LoaderWorkerTimeoutError)
+    assert time.monotonic() - started < TIMEOUT  # reported as it came, not after waiting out worker_timeout
+    built.dataloader.close()
+
+
+def test_workers_that_die_at_start_up_fail_the_loader_within_seconds_naming_the_fix(cache_dir: Path) -> None:
+    """A fork server's workers are not children of the training process: torch's liveness check finds them gone."""
+    cfg = ImageEditDataloaderConfig(cache_dir=str(cache_dir), num_workers=2)  # worker_timeout: the default 600 s
+    built = cfg.build_for(dataset=DiesAtStartUp(str(cache_dir)), dp_rank=0, dp_world_size=1, batch_size=2)
+    started = time.monotonic()
+    with (
+        SeenWorkers() as workers,
+        pytest.raises(
+            RuntimeError,
+            match=r"exited unexpectedly before the pool delivered its first batch; .*each worker imports the main "
+            r"module again.*`if __name__ == \"__main__\":`",
+        ),
+    ):
+        next(iter(built.dataloader))
+    assert time.monotonic() - started < 30
+    assert workers.still_running() == []
 
 
 KILLED_OWNER = """
@@ -110,12 +160,3 @@ def test_workers_end_when_their_training_process_is_killed(tmp_path: Path, cache
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [pid for pid in workers if alive(pid)]
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie has ended: it only waits for its parent to collect it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

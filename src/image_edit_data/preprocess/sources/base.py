@@ -45,6 +45,10 @@ class BadSampleError(ValueError):
         self.kind = kind
         self.problem = problem
 
+    def __reduce__(self) -> tuple[type[BadSampleError], tuple[str, str, str], dict[str, Any]]:
+        # From its parts, so it crosses a process boundary (the joined message alone would not rebuild it).
+        return type(self), (self.location, self.kind, self.problem), self.__dict__
+
 
 @dataclass(frozen=True)
 class SourceRecord:
