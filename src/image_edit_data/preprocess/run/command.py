@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, Namespace
@@ -14,9 +15,11 @@ from rich.text import Text
 
 from ..encoders.base import ImageEncoder, PipelineEncoder, PromptEncoder, TextEncoder
 from ..sources.base import EditSource
-from ..sources.manifest import JsonlManifestSource
+from ..sources.paired import ConfigDataset
 from .build_cache import BuildOptions, BuildReport, build_cache
+from .mixture_config import BuiltDataset, write_mixture
 from .resize import ResizePolicy
+from .source_options import add_source_arguments, open_sources
 
 
 class SpeedColumn(ProgressColumn):
@@ -44,30 +47,6 @@ def progress_bar(console: Console, quiet: bool, label: str) -> Iterator[Callable
             progress.update(task, completed=done, total=total)
 
         yield update
-
-
-def add_source_arguments(parser: ArgumentParser) -> None:
-    """Where raw examples come from: a JSONL manifest or a local Hugging Face data set."""
-    group = parser.add_argument_group("source (give --manifest or --dataset)")
-    group.add_argument(
-        "--manifest", type=str | None, default=None, help="JSONL manifest (NeMo generic image-edit form)."
-    )
-    group.add_argument("--dataset", type=str | None, default=None, help="save_to_disk directory or parquet file(s).")
-    group.add_argument("--split", type=str | None, default=None, help="Split of a DatasetDict.")
-    group.add_argument("--target-column", type=str, default="target_img", help="Target image column.")
-    group.add_argument(
-        "--context-columns", type=list[str], default=["source_img"], help="Context columns, e.g. '[a,b]'."
-    )
-    group.add_argument("--prompt-column", type=str, default="instruction", help="Instruction column.")
-    group.add_argument("--id-column", type=str | None, default=None, help="Unique id column (default: row number).")
-    group.add_argument("--metadata-columns", type=list[str], default=[], help="Columns kept as manifest_metadata.")
-    group.add_argument(
-        "--condition-columns", type=list[str], default=[], help="Condition image columns for prompt encoders."
-    )
-    group.add_argument(
-        "--mask-column", type=str | None, default=None, help="Edit-mask image column (white = edited), e.g. mask_img."
-    )
-    group.add_argument("--hf-cache-dir", type=str | None, default=None, help="Where datasets converts parquet files.")
 
 
 def build_parser() -> ArgumentParser:
@@ -141,32 +120,6 @@ def select_local_device() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def open_source(args: Namespace) -> EditSource:
-    """The source the options name."""
-    if (args.manifest is None) == (args.dataset is None):
-        raise ValueError("source: give exactly one of --manifest PATH.jsonl or --dataset PATH")
-    if args.manifest is not None:
-        return JsonlManifestSource(args.manifest)
-    from ..sources.hf import HFDatasetSource
-
-    if args.quiet:
-        import datasets
-
-        datasets.disable_progress_bars()
-    return HFDatasetSource(
-        args.dataset,
-        target_column=args.target_column,
-        context_columns=args.context_columns,
-        prompt_column=args.prompt_column,
-        id_column=args.id_column,
-        split=args.split,
-        metadata_columns=args.metadata_columns,
-        hf_cache_dir=args.hf_cache_dir,
-        condition_columns=args.condition_columns,
-        mask_column=args.mask_column,
-    )
-
-
 def spec(value: Any) -> dict[str, Any]:
     """A parsed class_path/init_args namespace as a plain dict."""
     data = value.as_dict() if isinstance(value, Namespace) else dict(value)
@@ -205,19 +158,35 @@ def run_build(args: Namespace, console: Console) -> int:
         poll_interval=args.poll_interval,
     )
     select_local_device()
-    source = open_source(args)
-    return execute(
-        args.out_dir,
-        source,
-        image_spec,
-        text_spec,
-        options,
-        console,
-        rank=rank,
-        world_size=world_size,
-        merge_only=args.merge_only,
-        quiet=args.quiet,
-    )
+    opened = open_sources(args)
+    run = {"rank": rank, "world_size": world_size, "merge_only": args.merge_only, "quiet": args.quiet}
+    if not isinstance(opened, list):
+        execute(args.out_dir, opened, image_spec, text_spec, options, console, **run)
+        return 0
+    return build_datasets(args, opened, (image_spec, text_spec), options, console, run)
+
+
+def build_datasets(
+    args: Namespace,
+    datasets: list[ConfigDataset],
+    specs: tuple[dict[str, Any], dict[str, Any]],
+    options: BuildOptions,
+    console: Console,
+    run: dict[str, Any],
+) -> int:
+    """A trainer's whole config: one cache per data set under `out_dir`, then (rank 0) `out_dir/mixture.yaml`."""
+    root = Path(args.out_dir).expanduser().resolve()
+    origin = args.musubi_config or args.ai_toolkit_config
+    built = []
+    for number, dataset in enumerate(datasets, start=1):
+        console.print(f"data set {number}/{len(datasets)}: {dataset.name} ({dataset.why})", highlight=False)
+        report = execute(str(root / dataset.name), dataset.source, *specs, options, console, **run)
+        samples = report.merged.samples if report.merged is not None else 0
+        built.append(BuiltDataset(dataset.name, report.root, samples, dataset.repeats, dataset.why))
+    if run["rank"] == 0:
+        path = write_mixture(root / "mixture.yaml", built, str(Path(origin).resolve()))
+        console.print(f"mixture: {path} - train with --config {path} (its data: section)", highlight=False)
+    return 0
 
 
 def execute(
@@ -232,8 +201,8 @@ def execute(
     world_size: int,
     merge_only: bool,
     quiet: bool,
-) -> int:
-    """Run a build with a progress bar and print its summary."""
+) -> BuildReport:
+    """Run a build with a progress bar, print its summary and return its report."""
     label = "encoding" if world_size == 1 else f"rank {rank}/{world_size}"
     with progress_bar(console, quiet, label) as on_progress:
         report = build_cache(
@@ -249,7 +218,7 @@ def execute(
             log=lambda message: console.print(f"[dim]{message}[/dim]"),
         )
     print_summary(console, report)
-    return 0
+    return report
 
 
 def print_summary(console: Console, report: BuildReport) -> None:
