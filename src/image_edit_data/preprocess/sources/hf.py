@@ -47,15 +47,17 @@ class ColumnMap:
     metadata_columns: tuple[str, ...] = ()
     condition_columns: tuple[str, ...] = ()
     mask_column: str | None = None
+    prompt_item: int | None = None  # a prompt cell holding a list of phrasings: use this one (OmniEdit's)
 
     def to_json(self) -> dict[str, Any]:
-        """Provenance form (without `condition_columns` when empty and `mask_column` when unset, as written before
-        they were read)."""
+        """Provenance form (without `condition_columns` when empty and `mask_column`, `prompt_item` when unset, as
+        written before they were read)."""
         data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if not self.condition_columns:
             del data["condition_columns"]
-        if self.mask_column is None:
-            del data["mask_column"]
+        for name in ("mask_column", "prompt_item"):
+            if data[name] is None:
+                del data[name]
         return data
 
 
@@ -89,6 +91,9 @@ class HFDatasetSource:
         hf_cache_dir: str | None = None,
         condition_columns: Sequence[str] = (),
         mask_column: str | None = None,
+        prompt_item: int | None = None,
+        optional_columns: Sequence[str] = (),
+        preset: str | None = None,
     ) -> None:
         """
         Args:
@@ -106,20 +111,16 @@ class HFDatasetSource:
                 or be empty); they are not VAE-encoded.
             mask_column: Column holding the edit-region mask (white = edited, the target's size), e.g. MagicBrush's
                 `mask_img`; an empty cell leaves that row unmasked.
+            prompt_item: When the prompt cell is a list of phrasings (OmniEdit's `edited_prompt_list`), the one to use.
+            optional_columns: Metadata or mask columns left out of the mapping when the data set lacks them (a preset
+                names columns that only some versions of a set have).
+            preset: The name of the preset that chose these columns, recorded in the provenance.
         """
         import datasets
 
         self.path = Path(path)
         self.name = str(path)
-        self.columns = ColumnMap(
-            target_column,
-            tuple(context_columns),
-            prompt_column,
-            id_column,
-            tuple(metadata_columns),
-            tuple(condition_columns),
-            mask_column,
-        )
+        self.preset = preset
         if not self.path.exists():
             raise FileNotFoundError(f"{self.path}: data set path does not exist")
         self.root = Path(os.path.realpath(self.path if self.path.is_dir() else self.path.parent))
@@ -135,6 +136,20 @@ class HFDatasetSource:
                 raise ValueError(f"{self.name}: split: expected one of {sorted(loaded)}, got {split!r}")
             loaded = loaded[split]
         self.split = split
+        present, optional = set(loaded.column_names), set(optional_columns)
+        metadata_columns = [c for c in metadata_columns if c in present or c not in optional]
+        if mask_column is not None and mask_column in optional and mask_column not in present:
+            mask_column = None
+        self.columns = ColumnMap(
+            target_column,
+            tuple(context_columns),
+            prompt_column,
+            id_column,
+            tuple(metadata_columns),
+            tuple(condition_columns),
+            mask_column,
+            prompt_item,
+        )
         names = [target_column, *context_columns, prompt_column, *metadata_columns, *condition_columns]
         missing = [c for c in [*names, id_column, mask_column] if c is not None and c not in loaded.column_names]
         if missing:
@@ -168,6 +183,12 @@ class HFDatasetSource:
                 where, INVALID_ENTRY, f"{id_column}: expected a non-empty string or integer id, got {sample_id!r}"
             )
         prompt = row[self.columns.prompt_column]
+        item = self.columns.prompt_item
+        if item is not None and isinstance(prompt, (list, tuple)):
+            if len(prompt) <= item:
+                problem = f"expected at least {item + 1} prompt(s) in the list, got {prompt!r}"
+                raise BadSampleError(where, EMPTY_PROMPT, f"{self.columns.prompt_column}: {problem}")
+            prompt = prompt[item]
         if not isinstance(prompt, str) or not prompt.strip():
             raise BadSampleError(
                 where, EMPTY_PROMPT, f"{self.columns.prompt_column}: expected non-empty text, got {prompt!r}"
@@ -235,8 +256,10 @@ class HFDatasetSource:
 
     def describe(self) -> dict[str, Any]:
         """Kind, absolute path, split, column mapping and row count."""
+        preset = {} if self.preset is None else {"preset": self.preset}
         return {
             "kind": "hf_dataset",
+            **preset,
             "path": str(self.path.resolve()),
             "split": self.split,
             **self.columns.to_json(),
