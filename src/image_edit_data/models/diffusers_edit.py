@@ -48,9 +48,15 @@ class QwenImageEditModule(DiffusersEditModule):
     )  # fmt: skip
 
     def unreachable_parameters(self) -> list[torch.nn.Parameter]:
-        """The last block's text-stream output layers: the transformer drops the text tokens after that block."""
+        """The last block's text-stream layers: the transformer drops the text tokens after that block.
+
+        Its text queries (`add_q_proj`, `norm_added_q`) reach only those tokens' attention outputs, so they get a
+        zero gradient and never train; the text keys and values reach the image tokens and stay trainable.
+        """
         last = self.transformer.transformer_blocks[-1]
-        return [*last.attn.to_add_out.parameters(), *last.txt_mlp.parameters()]
+        queries = [last.attn.add_q_proj, *([last.attn.norm_added_q] if last.attn.norm_added_q is not None else [])]
+        layers = [*queries, last.attn.to_add_out, last.txt_mlp]
+        return [parameter for layer in layers for parameter in layer.parameters()]
 
     def predict(
         self, hidden: torch.Tensor, sigmas: torch.Tensor, batch: dict[str, Any], grids: list[tuple[int, int]]

@@ -148,11 +148,17 @@ def export_lora_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="image-edit-data export-lora",
         description="Write a LoRA run's adapter from its Lightning checkpoint in the format diffusers' "
-        "load_lora_weights reads (OUT_DIR/pytorch_lora_weights.safetensors).",
+        "load_lora_weights reads (OUT_DIR/pytorch_lora_weights.safetensors), in bfloat16 unless --dtype says "
+        "otherwise (the trained adapter is float32; --dtype float32 keeps it exact).",
     )
     parser.add_argument("checkpoint", help="a .ckpt file, or the directory of an FSDP2 sharded checkpoint")
     parser.add_argument("out_dir", help="the adapter directory to write (pass it to pipeline.load_lora_weights)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the saved weights' dtype")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="the saved weights' dtype (default: bfloat16; float32 equals the trained module's forward exactly)",
+    )
     args = parser.parse_args(argv)
     written = export_checkpoint(args.checkpoint, args.out_dir, args.dtype)
     sys.stdout.write(f"wrote {written}\n")

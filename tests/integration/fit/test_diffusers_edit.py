@@ -253,10 +253,12 @@ def test_every_trainable_parameter_gets_a_gradient_so_ddp_needs_no_unused_parame
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     if arch == "flux":
         assert frozen == []
-    else:  # Qwen drops the text tokens after its last block, so that block's text-stream outputs are frozen
+    else:  # Qwen drops the text tokens after its last block, so that block's text stream is frozen
         last = "transformer.transformer_blocks.1."
         assert {name.removeprefix(last).split(".")[0] for name in frozen} == {"attn", "txt_mlp"}
-        assert all(name.startswith((f"{last}attn.to_add_out.", f"{last}txt_mlp.")) for name in frozen)
+        text_stream = ("attn.to_add_out.", "attn.add_q_proj.", "attn.norm_added_q.", "txt_mlp.")
+        assert all(name.startswith(tuple(last + layer for layer in text_stream)) for name in frozen)
+        assert f"{last}attn.add_q_proj.weight" in frozen and f"{last}attn.add_k_proj.weight" not in frozen
 
 
 # Fit runs.

@@ -103,13 +103,32 @@ def test_only_the_adapter_trains_in_float32_and_every_adapter_weight_gets_a_grad
     adapted = {name.split(".lora_")[0] for name in trainable}
     if arch == "qwen":  # the last block's text-stream outputs never reach the loss: no adapter there
         last, first = "transformer.transformer_blocks.1.", "transformer.transformer_blocks.0."
-        assert not {name for name in adapted if name.startswith((f"{last}attn.to_add_out", f"{last}txt_mlp"))}
+        unreached = (f"{last}attn.add_q_proj", f"{last}attn.to_add_out", f"{last}txt_mlp")
+        assert not {name for name in adapted if name.startswith(unreached)}
         assert {f"{first}attn.to_add_out", f"{first}txt_mlp.net.2", f"{last}attn.to_q", f"{last}img_mod.1"} <= adapted
     else:
         assert {
             "transformer.single_transformer_blocks.0.proj_mlp",
             "transformer.transformer_blocks.1.ff.net.2",
         } <= adapted
+
+
+@pytest.mark.parametrize("arch", ["qwen", "kontext"])
+def test_every_exported_adapter_weight_changes_in_training(arch: str, tmp_path: Path) -> None:
+    cls, config, _ = ARCHS[arch]
+    module = cls(model_config={**config, "num_layers": 2}, lora=True, lora_rank=4, learning_rate=1e-2)
+    module.configure_model()
+    export_module(module, tmp_path / "before", dtype="float32")
+    cache = random_cache(tmp_path / "cache", arch, samples=2)
+    quiet_trainer(tmp_path, 3, []).fit(module, datamodule=ImageEditDataModule(str(cache), 2, num_workers=0))
+    export_module(module, tmp_path / "after", dtype="float32")
+    before, after = adapter_file(tmp_path / "before")[0], adapter_file(tmp_path / "after")[0]
+    assert before.keys() == after.keys()
+    # lora_B starts at zero: an adapter whose output never reaches the loss keeps it, and exports dead weight.
+    assert [key for key in before if torch.equal(before[key], after[key])] == []
+    if arch == "qwen":  # the last block's text queries reach only the text tokens dropped after it
+        assert not [key for key in after if key.startswith("transformer.transformer_blocks.1.attn.add_q_proj")]
+        assert [key for key in after if key.startswith("transformer.transformer_blocks.0.attn.add_q_proj")]
 
 
 def test_a_lora_checkpoint_holds_only_the_adapter_loads_weights_only_and_exports_like_the_module(
@@ -156,6 +175,7 @@ def test_a_lora_checkpoint_holds_only_the_adapter_loads_weights_only_and_exports
     config = json.loads(metadata["lora_adapter_metadata"])
     assert (config["transformer.r"], config["transformer.lora_alpha"]) == (4, 4.0)
     assert config["transformer.exclude_modules"] == [
+        "transformer_blocks.0.attn.add_q_proj",
         "transformer_blocks.0.attn.to_add_out",
         "transformer_blocks.0.txt_mlp.net.0.proj",
         "transformer_blocks.0.txt_mlp.net.2",
@@ -171,6 +191,19 @@ def test_a_checkpoint_without_an_adapter_is_refused_for_export(tmp_path: Path) -
         export_checkpoint(tmp_path / "missing.ckpt", tmp_path / "out")
     with pytest.raises(ValueError, match=r"trained without lora: true, so it has no adapter to export"):
         export_module(pipeline_module("qwen"), tmp_path / "out")
+
+
+def test_export_lora_writes_bfloat16_by_default_and_says_so_in_its_help(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["export-lora", "--help"])
+    assert done.value.code == 0
+    assert "in bfloat16 unless --dtype" in " ".join(capsys.readouterr().out.split())
+    module = pipeline_module("qwen", lora=True, lora_rank=4)
+    module.configure_model()
+    export_module(module, tmp_path / "default")
+    assert {t.dtype for t in adapter_file(tmp_path / "default")[0].values()} == {torch.bfloat16}
 
 
 def fit_with_kill(
