@@ -199,3 +199,23 @@ def test_unknown_keys_and_missing_settings_are_refused_naming_them(tmp_path: Pat
     toml(config, f'[[datasets]]\nimage_jsonl_file = "{jsonl}"\n')
     with pytest.raises(BadSampleError, match=r"e\.jsonl line 1: control_path_a: expected control_path_<number>"):
         read_config(config)[0].source.read(0)
+
+
+def test_a_musubi_config_builds_across_ranks_and_resumes_to_the_single_process_caches(tmp_path: Path) -> None:
+    images, controls = edit_directory(tmp_path)
+    config = toml(
+        tmp_path / "dataset.toml",
+        f'[[datasets]]\nimage_directory = "{images}"\ncontrol_directory = "{controls}"\ncaption_extension = ".txt"\n'
+        f"num_repeats = 2\n",
+    )
+    single = build(tmp_path / "one", "--musubi-config", str(config))
+    ranks = tmp_path / "two"
+    build(ranks, "--musubi-config", str(config), "--rank", "1", "--world-size", "2")  # rank 1 first: no merge
+    assert not (ranks / "mixture.yaml").exists(), "rank 0 writes the mixture once the caches are merged"
+    build(ranks, "--musubi-config", str(config), "--rank", "0", "--world-size", "2", "--poll-interval", "0.05")
+    assert_same_cache(ranks / "0_images", single / "0_images")
+    assert (ranks / "mixture.yaml").read_text() == (single / "mixture.yaml").read_text().replace(
+        str(single), str(ranks)
+    )
+    build(single, "--musubi-config", str(config))  # a rerun finds every sample done and changes nothing
+    assert_same_cache(single / "0_images", ranks / "0_images")
