@@ -145,6 +145,16 @@ def run_rounds(
     return results
 
 
+def verified_counts(results: list[dict[str, Any]]) -> dict[str, int]:
+    """Samples checked against the source, per loader (where, workers, system and layout), over all rounds."""
+    counts: dict[str, int] = {}
+    for result in results:
+        m = result["measurement"]
+        name = f"{m['where']} w{m['workers']} {m['system']} {m['layout']}"
+        counts[name] = counts.get(name, 0) + len(result["digests"])
+    return counts
+
+
 def git_commit() -> str | None:
     """The commit of the checkout this package runs from, if it runs from one."""
     try:
@@ -180,9 +190,7 @@ def versus_litdata(args: Any, root: Path, console: Console) -> dict[str, Any]:
         "machine": machine_info(),
         "options": {k: v for k, v in vars(args).items() if k not in ("json", "work_dir")},
         "rows": table_rows,
-        "verified_samples": {
-            f"{r['measurement']['system']} {r['measurement']['layout']}": len(r["digests"]) for r in results
-        },
+        "verified_samples": verified_counts(results),
         "measurements": results,
     }
 
