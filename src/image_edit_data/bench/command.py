@@ -7,7 +7,8 @@ same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader 
 with `--rounds N` every loader N times, taking turns, each reported by its fastest round.
 `--index-only` measures the index alone; `--worker-memory-index N` worker memory over an epoch of
 N records. It prints numbers only (tables, and `--json PATH`). `--make-synthetic N` first writes
-a cache of realistic sample size (`synthetic.py`).
+a cache of realistic sample size (`synthetic.py`). `bench versus-litdata` compares our loader with
+litdata's on synthetic samples it writes itself (`versus_litdata.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def _bench_parser() -> ArgumentParser:
     """Options of `image-edit-data bench`."""
     parser = ArgumentParser(
         prog="image-edit-data bench",
-        description="Measure index open time and memory, loader samples/s and MB/s, and worker memory on a cache.",
+        description="Measure index open time and memory, loader samples/s and MB/s, and worker memory on a cache. "
+        "`image-edit-data bench versus-litdata --help`: our loader against litdata's, local and from S3.",
         exit_on_error=False,
     )
     parser.add_argument("cache_dir", type=str | None, nargs="?", default=None, help="Cache to measure.")
@@ -164,6 +166,10 @@ def make_console() -> Console:
 def bench_main(argv: list[str]) -> int:
     """`image-edit-data bench ...`; returns the exit code (2 for bad options, 1 for a bad cache)."""
     console = make_console()
+    if argv[:1] == ["versus-litdata"]:
+        from .versus_litdata import versus_main
+
+        return versus_main(argv[1:], console)
     try:
         args = _bench_parser().parse_args(argv)
         resolve_path_options(args, ("cache_dir", "out", "json", "reference_path"))

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ENVIRONMENT = {
@@ -43,9 +45,24 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
+class LocalS3:
+    """A running moto server: the fsspec storage options that reach it, and its process (to read its CPU time)."""
+
+    options: dict[str, Any]
+    pid: int
+
+
 @contextlib.contextmanager
 def moto_server(timeout: float = 30.0) -> Iterator[dict[str, Any]]:
     """Run moto's S3 server; yield the fsspec storage options that reach it (and set the dummy environment)."""
+    with local_s3(timeout) as server:
+        yield server.options
+
+
+@contextlib.contextmanager
+def local_s3(timeout: float = 30.0) -> Iterator[LocalS3]:
+    """Run moto's S3 server; yield its options and process (and set the dummy environment meanwhile)."""
     port = free_port()
     saved = {name: os.environ.get(name) for name in ENVIRONMENT}
     os.environ.update(ENVIRONMENT)
@@ -65,12 +82,13 @@ def moto_server(timeout: float = 30.0) -> Iterator[dict[str, Any]]:
                 raise RuntimeError(f"moto server on 127.0.0.1:{port} did not start (exit code {process.poll()})")
             time.sleep(0.1)
         endpoint = f"http://127.0.0.1:{port}"
-        yield {
+        options = {
             "key": "testing",
             "secret": "testing",
             "endpoint_url": endpoint,
             "client_kwargs": {"region_name": "us-east-1"},
         }
+        yield LocalS3(options, process.pid)
     finally:
         process.terminate()
         try:
@@ -85,15 +103,30 @@ def moto_server(timeout: float = 30.0) -> Iterator[dict[str, Any]]:
                 os.environ[name] = value
 
 
+def boto3_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The endpoint's fsspec options as boto3 client arguments (what litdata's `storage_options` take)."""
+    return {
+        "endpoint_url": options["endpoint_url"],
+        "aws_access_key_id": options["key"],
+        "aws_secret_access_key": options["secret"],
+        "region_name": "us-east-1",
+    }
+
+
 def make_bucket(options: dict[str, Any], bucket: str) -> None:
     """Create `bucket` on the endpoint."""
     import boto3
 
-    client = boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        aws_access_key_id=options["key"],
-        aws_secret_access_key=options["secret"],
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=bucket)
+    boto3.client("s3", **boto3_options(options)).create_bucket(Bucket=bucket)
+
+
+def upload_directory(options: dict[str, Any], local: Path, url: str) -> int:
+    """Upload every file under `local` to the S3 prefix `url` (s3://bucket/prefix), keeping relative paths; files."""
+    import boto3
+
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = boto3.client("s3", **boto3_options(options))
+    files = sorted(path for path in local.rglob("*") if path.is_file())
+    for path in files:
+        client.upload_file(str(path), bucket, f"{prefix.rstrip('/')}/{path.relative_to(local).as_posix()}")
+    return len(files)

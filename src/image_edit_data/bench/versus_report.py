@@ -1,0 +1,127 @@
+"""The rows of `bench versus-litdata`: per path, epoch and worker count, ours against litdata, with the target.
+
+Each round measures every loader once; a row's ratio is the median over rounds of that round's
+samples/s of ours divided by litdata's (the same round, worker count and local or S3 reads).
+"Cold" is a fresh loader's first epoch, timed from building it (fresh local cache directories:
+the index and, remote, every shard or chunk comes from the endpoint); "warm" the later epochs of
+the same loader (remote: what the local cache kept). CPU per sample counts the whole process
+tree, workers included; the S3 server's CPU is reported per epoch beside each remote rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.table import Table
+
+RANGE_TARGET = 0.75  # range mode fetches only the bytes each sample uses, one request per sample
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row of the table: which of our layouts, which epoch, and the ratio it must reach."""
+
+    path: str
+    where: str
+    layout: str
+    epoch: str  # "cold" or "warm"
+    target: float
+
+
+ROWS = (
+    RowSpec("local files", "local", "files", "cold", 1.0),
+    RowSpec("local files", "local", "files", "warm", 1.0),
+    RowSpec("local packed", "local", "packed", "cold", 1.0),
+    RowSpec("local packed", "local", "packed", "warm", 1.0),
+    RowSpec("S3 shard_cache", "s3", "shard_cache", "cold", 1.0),
+    RowSpec("S3 shard_cache", "s3", "shard_cache", "warm", 1.0),
+    RowSpec("S3 range", "s3", "range", "cold", RANGE_TARGET),
+)
+
+
+def epoch_numbers(result: Mapping[str, Any], epoch: str) -> dict[str, float] | None:
+    """samples/s, CPU ms per sample and server CPU seconds per epoch of a measurement's cold or warm epochs."""
+    epochs = result["epochs"][:1] if epoch == "cold" else result["epochs"][1:]
+    if not epochs:
+        return None
+    samples = sum(e["samples"] for e in epochs)
+    return {
+        "samples_s": statistics.median(e["samples"] / e["seconds"] for e in epochs),
+        "cpu_ms": 1000 * sum(e["cpu_seconds"] for e in epochs) / samples,
+        "server_cpu_s": sum(e["server_cpu_seconds"] for e in epochs) / len(epochs),
+    }
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def row(spec: RowSpec, workers: int, results: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The row's numbers over all rounds, or None when the run did not measure it."""
+    by_round: dict[tuple[int, str], Mapping[str, Any]] = {}
+    for result in results:
+        m = result["measurement"]
+        if m["where"] == spec.where and m["workers"] == workers and m["layout"] in (spec.layout, "litdata"):
+            by_round[m["round"], m["system"]] = result
+    pairs = []
+    for (round_, system), result in sorted(by_round.items()):
+        lit = by_round.get((round_, "litdata"))
+        if system == "ours" and lit is not None:
+            ours_numbers, lit_numbers = epoch_numbers(result, spec.epoch), epoch_numbers(lit, spec.epoch)
+            if ours_numbers is not None and lit_numbers is not None:
+                pairs.append((ours_numbers, lit_numbers))
+    if not pairs:
+        return None
+    ratios = [o["samples_s"] / lit["samples_s"] for o, lit in pairs]
+    ratio = _median(ratios)
+    numbers = {
+        f"{who}_{name}": _median([p[side][name] for p in pairs])
+        for side, who in enumerate(("ours", "litdata"))
+        for name in ("samples_s", "cpu_ms", "server_cpu_s")
+    }
+    return {
+        "path": spec.path,
+        "layout": spec.layout,
+        "epoch": spec.epoch,
+        "workers": workers,
+        **numbers,
+        "ratio": ratio,
+        "round_ratios": ratios,
+        "target": spec.target,
+        "verdict": "PASS" if ratio >= spec.target else "BELOW",
+        "remote": spec.where == "s3",
+    }
+
+
+def rows(results: Sequence[Mapping[str, Any]], workers: Sequence[int]) -> list[dict[str, Any]]:
+    """Every row the results hold, in table order, each worker count in turn."""
+    found = (row(spec, w, results) for spec in ROWS for w in workers)
+    return [r for r in found if r is not None]
+
+
+def render(table_rows: Sequence[Mapping[str, Any]], rounds: int) -> Table:
+    """The rows as a table."""
+    table = Table(title=f"ours ÷ litdata, samples/s (median of {rounds} alternating rounds)")
+    columns: tuple[str, ...] = ("path", "epoch", "workers", "ours samples/s", "litdata samples/s", "ratio", "target")
+    columns += ("", "CPU ms/sample ours", "litdata", "S3 server CPU s/epoch ours", "litdata")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("path", "epoch", "") else "right")
+    for r in table_rows:
+        server = (f"{r['ours_server_cpu_s']:.2f}", f"{r['litdata_server_cpu_s']:.2f}") if r["remote"] else ("", "")
+        table.add_row(
+            r["path"],
+            r["epoch"],
+            str(r["workers"]),
+            f"{r['ours_samples_s']:.0f}",
+            f"{r['litdata_samples_s']:.0f}",
+            f"{r['ratio']:.2f}",
+            f"≥ {r['target']:.2f}",
+            r["verdict"],
+            f"{r['ours_cpu_ms']:.2f}",
+            f"{r['litdata_cpu_ms']:.2f}",
+            *server,
+        )
+    return table

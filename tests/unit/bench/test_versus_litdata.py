@@ -1,0 +1,111 @@
+"""`image-edit-data bench versus-litdata`: a tiny run end to end, its data check, and its CPU accounting."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from image_edit_data.__main__ import main
+from image_edit_data.bench.sample_digest import our_rows
+from image_edit_data.bench.tree_cpu import tree_cpu_seconds
+from image_edit_data.bench.versus_litdata import check_digests
+from image_edit_data.bench.versus_report import ROWS
+from image_edit_data.dataloader_config import ImageEditDataloaderConfig
+
+TINY_RUN = ["--samples", "16", "--rounds", "1", "--num-workers", "0", "2", "--chunk-bytes", str(4 << 20)]
+TINY_RUN += ["--local-epochs", "2", "--s3-epochs", "2", "--verify-batches", "1"]
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """One tiny versus-litdata run (16 samples, one round, 0 and 2 workers); its JSON and its kept data."""
+    root = tmp_path_factory.mktemp("versus")
+    out = root / "numbers.json"
+    code = main(["bench", "versus-litdata", *TINY_RUN, "--work-dir", str(root / "work"), "--json", str(out)])
+    assert code == 0
+    return json.loads(out.read_text()), root / "work" / "data"
+
+
+@pytest.mark.slow  # 24 measurements, each in a fresh process, against a moto server
+def test_a_tiny_run_reports_every_row_with_positive_rates_and_ratios(tiny_run: tuple[dict[str, Any], Path]) -> None:
+    numbers, _ = tiny_run
+    found = {(r["layout"], r["epoch"], r["workers"]) for r in numbers["rows"]}
+    assert found == {(spec.layout, spec.epoch, w) for spec in ROWS for w in (0, 2)}
+    for row in numbers["rows"]:
+        rates = (
+            row["ours_samples_s"],
+            row["litdata_samples_s"],
+            row["ratio"],
+            row["ours_cpu_ms"],
+            row["litdata_cpu_ms"],
+        )
+        assert all(positive(v) for v in rates), row
+        assert row["verdict"] == ("PASS" if row["ratio"] >= row["target"] else "BELOW")
+        if row["remote"] and row["epoch"] == "cold":  # the server's CPU serving the first epoch: the index at least
+            assert positive(row["ours_server_cpu_s"]) and positive(row["litdata_server_cpu_s"]), row
+    assert numbers["commit"] and numbers["machine"]["cpu_count"]
+    assert all(count >= 4 for count in numbers["verified_samples"].values())  # every loader had a batch checked
+
+
+@pytest.mark.slow  # shares the tiny run above
+def test_both_loaders_hand_out_the_same_tensors_for_the_same_samples(tiny_run: tuple[dict[str, Any], Path]) -> None:
+    import litdata  # not skipped when missing: scripts/setup.sh installs it with the test extra
+
+    _, data = tiny_run
+    built = ImageEditDataloaderConfig(str(data / "packed"), num_workers=0, require_checksums=True).build(
+        dp_rank=0, dp_world_size=1, batch_size=4
+    )
+    ours = {number: tensors for batch in built.dataloader for number, tensors in our_rows(batch)}
+    theirs = litdata.StreamingDataset(str(data / "litdata"))
+    assert sorted(ours) == sorted(int(theirs[i]["sample"]) for i in range(len(theirs))) == list(range(16))
+    for i in (0, 7, len(theirs) - 1):
+        item = theirs[i]
+        expected = [item["target_latent"], *item["context_latents"], item["prompt_embeddings"]]
+        expected = [t.view(torch.bfloat16) for t in expected] + [item["prompt_attention_mask"]]
+        got = ours[int(item["sample"])]
+        assert [t.dtype for t in got] == [t.dtype for t in expected]
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"sample {item['sample']} differs"
+
+
+def test_a_measurement_that_read_other_bytes_stops_the_run() -> None:
+    reference = {0: "aa", 1: "bb"}
+    result = {"measurement": {"system": "litdata", "layout": "litdata", "where": "s3", "workers": 2}}
+    check_digests({**result, "digests": {0: "aa", 1: "bb"}}, reference)
+    with pytest.raises(RuntimeError, match=r"litdata litdata \(s3, 2 workers\) read other bytes .* samples \[1\]"):
+        check_digests({**result, "digests": {0: "aa", 1: "cc"}}, reference)
+    with pytest.raises(RuntimeError, match="no sample was checked"):
+        check_digests({**result, "digests": {}}, reference)
+
+
+def test_tree_cpu_counts_a_live_grandchild_that_is_no_ones_reaped_child() -> None:
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    spin += "print('spun', flush=True)\ntime.sleep(60)"
+    # The grandchild is started by a child that stays alive: only reading live descendants can count it.
+    parent = f"import subprocess, sys\nspinner = subprocess.Popen([sys.executable, '-c', {spin!r}])\n"
+    parent += "print(spinner.pid, flush=True)\nspinner.wait()"
+    before = tree_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    grandchild = None
+    try:
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        assert child.stdout.readline() == "spun\n"
+        assert tree_cpu_seconds() - before >= 0.3
+    finally:
+        if grandchild is not None:
+            os.kill(grandchild, signal.SIGKILL)
+        child.kill()
+        child.wait()
