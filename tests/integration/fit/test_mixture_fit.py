@@ -145,6 +145,7 @@ def test_demo_samples_writes_one_demo_cache_per_local_source(tmp_path: Path) -> 
         "storage_options": None,
         "remote_read": None,
         "local_cache_dir": None,
+        "require_checksums": None,
     }
 
 
