@@ -19,10 +19,11 @@ from . import _moved
 from .batch.collate import collate_image_edit
 from .dataloader_config import DiffusionDataloaderBuild, ImageEditDataloaderConfig
 from .dataset import ImageEditDataset, ImageEditDatasetConfig
-from .errors import CacheFormatError
+from .errors import CacheFormatError, CacheReadError
 from .mixture_dataset import CacheSource, MixtureDataset
 from .payload.corrupt import TooManyCorruptSamplesError
 from .sampling.sampler import BucketBatchSampler, ResumeMismatchError
+from .storage.remote import RemoteError, RequestPolicy
 
 _moved.install()
 
@@ -38,6 +39,7 @@ _LIGHTNING_NAMES = {
 __all__ = [
     "BucketBatchSampler",
     "CacheFormatError",
+    "CacheReadError",
     "CacheSource",
     "DiffusionDataloaderBuild",
     "ImageEditDataModule",
@@ -46,6 +48,8 @@ __all__ = [
     "ImageEditDataset",
     "ImageEditDatasetConfig",
     "MixtureDataset",
+    "RemoteError",
+    "RequestPolicy",
     "ResumeMismatchError",
     "TooManyCorruptSamplesError",
     "collate_image_edit",

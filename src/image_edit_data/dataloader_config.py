@@ -17,6 +17,7 @@ from .sampling.mixture_draw import Mixture
 from .sampling.plan import BucketOrder
 from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
+from .storage.remote import RequestPolicy
 from .workers.resumable_loader import ResumableDataLoader
 from .workers.start import WorkerStart, check_start, start_server_early
 
@@ -110,6 +111,8 @@ class ImageEditDataloaderConfig:
     """Node-local directory for remote index copies and cached shards (default: the user cache directory)."""
     shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES
     """Byte budget of the local shard cache (at least the largest shard)."""
+    remote_requests: RequestPolicy | None = None
+    """URL caches: deadlines and attempts of each request (default: `RequestPolicy()`, docs/remote-caches.md)."""
     require_checksums: bool = False
     """Refuse a cache whose reads no member checksum checks (one packed before checksums, or one file per sample)."""
     shard_window: int = 0
@@ -138,6 +141,7 @@ class ImageEditDataloaderConfig:
                 remote_read=source.remote_read or self.remote_read,
                 local_cache_dir=source.local_cache_dir or self.local_cache_dir,
                 shard_cache_bytes=self.shard_cache_bytes,
+                remote_requests=self.remote_requests if source.remote_requests is None else source.remote_requests,
             )
         location = cache_dir or self.cache_dir
         if location is None:
@@ -148,6 +152,7 @@ class ImageEditDataloaderConfig:
             remote_read=self.remote_read,
             local_cache_dir=self.local_cache_dir,
             shard_cache_bytes=self.shard_cache_bytes,
+            remote_requests=self.remote_requests,
         )
 
     def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset | MixtureDataset:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from ._retry import with_read_retries
 from .batch.collate import AssembledBatch, assemble
 from .contract import validate
 from .contract.batch import Sample, SkippedSample
@@ -22,6 +23,7 @@ from .payload.payload import OpenPayload, materialized, payload_from_bytes
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
 from .storage.prefetch import ShardPrefetcher
 from .storage.reader import Opened, PayloadReader
+from .storage.remote import RequestPolicy
 
 
 class ImageEditDataset(Dataset):
@@ -47,6 +49,7 @@ class ImageEditDataset(Dataset):
         local_cache_dir: str | None = None,
         shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
         require_checksums: bool = False,
+        remote_requests: RequestPolicy | Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(quantization, bool) or not isinstance(quantization, int) or quantization <= 0:
             raise ValueError(f"quantization must be a positive integer, got {quantization!r}")
@@ -56,6 +59,7 @@ class ImageEditDataset(Dataset):
             remote_read=remote_read,
             local_cache_dir=local_cache_dir,
             shard_cache_bytes=shard_cache_bytes,
+            remote_requests=remote_requests,
         )
         self.cache_dir = self.location.display  # a URL stays a string: Path would fold its "//"
         self.quantization = quantization
@@ -108,7 +112,7 @@ class ImageEditDataset(Dataset):
 
     def open_sample(self, idx: int) -> tuple[Sample, OpenPayload]:
         """Open payload `idx` and check it against the contract and its index record (no tensor bytes read yet)."""
-        return self.checked_sample(idx, self.reader.open(idx))
+        return self.checked_sample(idx, with_read_retries(lambda: self.reader.open(idx), self.reader.display(idx)))
 
     def checked_sample(self, idx: int, payload: OpenPayload) -> tuple[Sample, OpenPayload]:
         """Check opened payload `idx` against the contract and its index record; closes it if it fails.
@@ -145,7 +149,8 @@ class ImageEditDataset(Dataset):
         A sample that breaks the contract raises under the "raise" policy and is recorded in its
         place under "skip". Whatever was opened is closed when this raises.
         """
-        payloads: list[Opened | None] = list(self.reader.open_many(indices))
+        where = self.reader.display(indices[0]) if indices else str(self.cache_dir)
+        payloads: list[Opened | None] = with_read_retries(lambda: list(self.reader.open_many(indices)), where)
         results: list[Opening] = []
         try:
             for position, (index, payload) in enumerate(zip(indices, payloads)):

@@ -23,6 +23,7 @@ from .dataset import ImageEditDataset, Opening, assembled, close_all, kept_or_re
 from .payload.payload import OpenPayload
 from .storage.location import RemoteRead
 from .storage.prefetch import ShardPrefetcher
+from .storage.remote import RequestPolicy
 
 UNCHECKED_CONDITIONING = frozenset({EDIT_MASK})  # a per-sample flag in the bucket key keeps masked batches apart
 
@@ -45,6 +46,8 @@ class CacheSource:
     """Node-local directory for this cache's remote index copy and shards (default: the config's)."""
     require_checksums: bool | None = None
     """Refuse this cache if its reads go unchecked by member checksums (default: the config's)."""
+    remote_requests: RequestPolicy | None = None
+    """Deadlines and attempts of this cache's remote requests (default: the config's)."""
 
     @property
     def display_name(self) -> str:

@@ -24,6 +24,7 @@ PUBLIC = {
     "TooManyCorruptSamplesError",
     "LoaderWorkerTimeoutError",
     "RemoteError",
+    "CacheReadError",
     "BadSampleError",
 }
 

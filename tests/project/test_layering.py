@@ -10,7 +10,7 @@ from support import ROOT
 PACKAGE = ROOT / "src" / "image_edit_data"
 # Bottom to top; a module may import from its own layer and those below it.
 LAYERS: list[set[str]] = [
-    {"errors", "_atomic", "_process", "_moved"},
+    {"errors", "_atomic", "_process", "_moved", "_retry"},
     {"contract"},
     {"index", "payload"},
     {"storage"},

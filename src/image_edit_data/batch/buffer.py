@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .._retry import with_read_retries
 from ..contract.file_tensor import FileTensor, read_into
 from .shared_ring import Lease, shared_bytes, worker_ring
 
@@ -98,7 +99,10 @@ class BatchBuffer:
     def read_run(self, run: Sequence[Part]) -> None:
         """Scatter one contiguous byte range of a file into the tensors' places: one `preadv`."""
         buffers = [self.view[start : start + nbytes] for _, start, nbytes, _ in run]
-        if os.preadv(run[0][3].descriptor, buffers, run[0][0]) == sum(len(b) for b in buffers):
+        descriptor, offset = run[0][3].descriptor, run[0][0]
+        if with_read_retries(lambda: os.preadv(descriptor, buffers, offset), run[0][3].display) == sum(
+            len(b) for b in buffers
+        ):
             return
         for offset, start, nbytes, tensor in run:  # a short read (signal, or the file changed): part by part
             read_into(tensor.descriptor, offset, self.view[start : start + nbytes], tensor.display)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._retry import with_read_retries
 from ..errors import fail
 
 
@@ -59,7 +60,8 @@ def read_into(descriptor: int, offset: int, destination: memoryview, display: st
     """Fill `destination` from `descriptor` at `offset`: one kernel copy, page cache -> destination."""
     done = 0
     while done < len(destination):
-        count = os.preadv(descriptor, [destination[done:]], offset + done)
+        part, at = destination[done:], offset + done
+        count = with_read_retries(lambda: os.preadv(descriptor, [part], at), display)  # noqa: B023  (called at once)
         if count == 0:
             fail(display, "payload", f"file ended {len(destination) - done} bytes early (it changed while being read)")
         done += count

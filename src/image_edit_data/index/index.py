@@ -26,6 +26,7 @@ from ..contract import validate
 from ..contract.paths import contained, read_regular_file, resolve_inside
 from ..contract.signature import Signature, sort_key
 from ..contract.validate import CacheFormatError, fail, show
+from ..errors import read_failed
 from .packed import PackedFields, ShardInfo, has_checksums, is_packed, shard_list, shards_fingerprint
 
 MANIFEST = "metadata.json"
@@ -147,7 +148,7 @@ def _read_json(path: Path, display: str, max_bytes: int | None = None) -> Any:
     except ValueError as error:  # e.g. an integer literal longer than Python's 4300-digit limit
         fail(display, "json", f"invalid JSON: {error}")
     except OSError as error:
-        fail(display, "file", f"cannot be read: {error.strerror or error}")
+        read_failed(display, error)
 
 
 def load_manifest(root: Path) -> tuple[dict[str, Any], list[str]]:

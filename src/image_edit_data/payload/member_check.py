@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
+from .._retry import with_read_retries
 from ..errors import CacheFormatError
 from ..index.packed import CHECKSUM, checksum_text, member_checksum
 
@@ -120,12 +121,12 @@ class FileMember(MemberCheck):
             return self.head[start - self.base : end - self.base]
         if start < self.head_end:
             return self.head[start - self.base :].tobytes() + pread_all(
-                self.descriptor, end - self.head_end, self.head_end
+                self.descriptor, end - self.head_end, self.head_end, self.display
             )
-        return pread_all(self.descriptor, end - start, start)
+        return pread_all(self.descriptor, end - start, start, self.display)
 
     def reread(self) -> Buffer:
-        return pread_all(self.descriptor, self.length, self.base)
+        return pread_all(self.descriptor, self.length, self.base, self.display)
 
 
 class FetchedMember(MemberCheck):
@@ -147,8 +148,13 @@ class FetchedMember(MemberCheck):
         return self.data if self.refetch is None else self.refetch()
 
 
-def pread_all(descriptor: int, length: int, offset: int) -> bytes:
+def pread_all(descriptor: int, length: int, offset: int, display: str = "a cache file") -> bytes:
     """`length` bytes at `offset`, fewer only where the file ends (a shard truncated since it was opened)."""
+    return with_read_retries(lambda: pread_whole(descriptor, length, offset), display)
+
+
+def pread_whole(descriptor: int, length: int, offset: int) -> bytes:
+    """`pread_all`'s one try."""
     data = os.pread(descriptor, length, offset)
     if len(data) == length:
         return data

@@ -24,7 +24,7 @@ from safetensors.torch import save as save_safetensors_bytes
 from .._atomic import write_bytes_atomic
 from ..contract.file_tensor import FileTensor
 from ..contract.paths import open_regular
-from ..errors import CacheFormatError, fail, show
+from ..errors import CacheFormatError, fail, read_failed, show
 from .member_check import Buffer, FetchedMember, FileMember, MemberCheck
 from .safetensors_header import header_from_bytes, read_header
 from .torch_save._private_torch import direct_reads, in_file_payload
@@ -99,7 +99,7 @@ def open_payload(
     try:
         descriptor, info = opened or open_regular(path, display)
     except OSError as error:
-        fail(display, "file", f"cannot be read: {error.strerror or error}")
+        read_failed(display, error)
     try:
         if member is not None or format_of(path) == "safetensors":
             where = member if member is not None else (0, info.st_size)
@@ -107,7 +107,7 @@ def open_payload(
         fields, in_file = _torch_save_fields(path, descriptor, info.st_size, display)
     except OSError as error:
         os.close(descriptor)
-        fail(display, "file", f"cannot be read: {error.strerror or error}")
+        read_failed(display, error)
     except BaseException:
         os.close(descriptor)
         raise
@@ -142,7 +142,7 @@ def open_member(
         tensors, extra, head = read_header(descriptor, size, display, base)
         fields = fields_from_header(tensors, extra, display)
     except OSError as error:
-        fail(display, "file", f"cannot be read: {error.strerror or error}")
+        read_failed(display, error)
     except CacheFormatError:
         if checksum is None:
             raise

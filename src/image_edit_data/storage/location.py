@@ -20,7 +20,7 @@ from ..index.store import open_index
 from .damaged import DamagedShards
 from .mirror import local_dir_for, open_remote_index
 from .reader import LocalFilesReader, LocalPackedReader, PayloadReader
-from .remote import RemoteStore, is_url
+from .remote import RemoteStore, RequestPolicy, is_url
 from .remote_reader import RemoteFilesReader, RemotePackedReader
 from .shard_cache import ShardCache
 
@@ -47,6 +47,8 @@ class CacheLocation:
     """Byte budget of the shard cache."""
     latency: float = 0.0
     """Seconds added before every remote request (benchmarks of slow links)."""
+    requests: RequestPolicy = field(default_factory=RequestPolicy)
+    """Deadlines and the retry budget of each remote request."""
 
     @classmethod
     def of(
@@ -58,6 +60,7 @@ class CacheLocation:
         local_cache_dir: str | None = None,
         shard_cache_bytes: int = DEFAULT_SHARD_CACHE_BYTES,
         latency: float = 0.0,
+        remote_requests: RequestPolicy | Mapping[str, Any] | None = None,
     ) -> CacheLocation:
         """Parse a location (a `CacheLocation` is returned as it is) and check its options."""
         if isinstance(cache_dir, CacheLocation):
@@ -76,6 +79,7 @@ class CacheLocation:
             local_cache_dir,
             shard_cache_bytes,
             latency,
+            RequestPolicy.of(remote_requests),
         )
 
     @property
@@ -97,7 +101,7 @@ class CacheLocation:
         if self.local_path is not None:
             index = open_index(self.local_path, use_store=use_store)
             return index, (LocalPackedReader(index) if index.packed else LocalFilesReader(index))
-        store = RemoteStore(self.given, dict(self.storage_options), latency=self.latency)
+        store = RemoteStore(self.given, dict(self.storage_options), self.requests, self.latency)
         directory = local_dir_for(store, self.local_cache_dir)
         index = open_remote_index(store, directory, use_store=use_store)
         if not index.packed:

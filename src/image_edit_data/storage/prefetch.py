@@ -66,9 +66,7 @@ class ShardPrefetcher:
         """Batch `step` of the current epoch is being handed out: pin the window around it, fetch ahead."""
         plan: Any = sampler.plan()
         local = step - sampler.segment_start
-        if step >= len(sampler):
-            # The epoch is handed out: finish downloads before the next epoch's workers fork.
-            self.wait()
+        if step >= len(sampler):  # the epoch is handed out; downloads in flight go on (workers never fork anew)
             return
         first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)
         needed = self.shards_of(plan, first, last)
@@ -91,7 +89,7 @@ class ShardPrefetcher:
                 self._pending[number] = self._pool.submit(self.cache.fetch, number)
 
     def wait(self) -> None:
-        """Let downloads in flight finish (before workers fork, and at the end of an epoch)."""
+        """Let downloads in flight finish (each is bounded by the request deadlines)."""
         for future in list(self._pending.values()):
             future.exception()
         self._pending.clear()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contract.paths import ContainedOpener
-from ..errors import CacheFormatError, fail
+from ..errors import CacheFormatError, fail, read_failed
 from ..index.index import CacheIndex
 from ..index.packed import ShardInfo
 from ..payload.payload import OpenPayload, open_member, open_payload
@@ -89,7 +89,7 @@ class LocalFilesReader(PayloadReader):
         try:
             path, descriptor, info = self.opener.open(relative, relative)
         except OSError as error:
-            fail(relative, "file", f"cannot be read: {error.strerror or error}")
+            read_failed(relative, error)
         return open_payload(path, relative, (descriptor, info))
 
 
@@ -166,7 +166,7 @@ class ShardFiles:
         try:
             path, descriptor, info = self.opener.open(shard.path, shard.path)
         except OSError as error:
-            fail(shard.path, "file", f"cannot be read: {error.strerror or error}")
+            read_failed(shard.path, error)
         if info.st_size != shard.nbytes:
             os.close(descriptor)
             fail(

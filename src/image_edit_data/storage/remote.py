@@ -1,4 +1,4 @@
-"""fsspec URLs: one lazily created filesystem per process, bounded retries with backoff, request counters.
+"""fsspec URLs: one lazily created filesystem per process, deadlines and one retry budget per request, counters.
 
 A `RemoteStore` is what a dataset holds for a cache at a URL (`s3://`, `gs://`, `az://`, `hf://`,
 `file://`, ...). It pickles without its filesystem and creates a fresh one the first time it is
@@ -15,11 +15,15 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The slowest transfer a try waits for: a request moving N bytes may take N / MIN_TRANSFER_RATE seconds
+# beyond its connect and read deadlines before it counts as stalled.
+MIN_TRANSFER_RATE = 1 << 20
+S3_PROTOCOLS = ("s3", "s3a")
 # Errors that mean the object is not there or not ours to read: retrying cannot help.
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
@@ -36,23 +40,68 @@ def join_url(base: str, relative: str) -> str:
 
 
 @dataclass
-class RetryPolicy:
-    """How often and how patiently a failed request is repeated."""
+class RequestPolicy:
+    """Deadlines and the one retry budget of every request to a remote cache (configurable per cache).
 
-    attempts: int = 4
+    Only this layer retries: the S3 client's own retries (botocore's and s3fs's) are turned off, so
+    a request that always fails is tried `attempts` times, not once per layer. Each try is bounded
+    by the connect and read deadlines, and all of a request's tries together by `deadline`: a silent
+    endpoint is an error naming the endpoint and the object within `deadline` seconds (plus one
+    try's deadline at most), whether the reader runs in the training process or in a worker.
+    """
+
+    connect_timeout: float = 5.0
+    """Seconds to open a connection to the endpoint."""
+    read_timeout: float = 15.0
+    """Seconds a connection may stay silent while a request waits for its answer or its body."""
+    attempts: int = 5
     """Tries per request, the first included."""
+    deadline: float = 45.0
+    """Seconds all tries of one request may take together; no try starts after it."""
     base_delay: float = 0.2
     """Seconds before the first retry; doubled each time, with +-50% jitter."""
     max_delay: float = 5.0
     """Longest wait between two tries."""
 
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "read_timeout", "deadline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"remote_requests.{name} must be a positive number of seconds, got {value!r}")
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"remote_requests.attempts must be a positive integer, got {self.attempts!r}")
+
+    @property
+    def try_timeout(self) -> float:
+        """Longest one try may take: connecting, then waiting for the answer."""
+        return self.connect_timeout + self.read_timeout
+
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed try number `attempt` (1-based)."""
         return min(self.max_delay, self.base_delay * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
 
+    @classmethod
+    def of(cls, given: RequestPolicy | Mapping[str, Any] | None) -> RequestPolicy:
+        """`given` as a policy (a dict comes from YAML, a checkpoint or a Python caller; None: the defaults)."""
+        if given is None:
+            return cls()
+        if isinstance(given, RequestPolicy):
+            return given
+        if not isinstance(given, Mapping):
+            raise ValueError(f"remote_requests: expected a mapping of deadlines and attempts, got {given!r:.200}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"remote_requests: unknown option {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        return cls(**given)
+
 
 class RemoteError(OSError):
-    """A request to a remote cache failed for good; the message names the URL and what was asked."""
+    """A request to a remote cache failed for good; the message names the URL and what was asked.
+
+    Raised for the endpoint or the connection (a deadline, an error answer, a broken body), never
+    for the bytes a cache holds: the corrupt-sample policy does not apply to it.
+    """
 
 
 @dataclass
@@ -85,7 +134,7 @@ class RemoteStore:
 
     url: str
     storage_options: Mapping[str, Any] = field(default_factory=dict)
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    retry: RequestPolicy = field(default_factory=RequestPolicy)
     latency: float = 0.0
     stats: RequestStats = field(default_factory=RequestStats)
     _fs: Any = field(default=None, repr=False, compare=False)
@@ -107,8 +156,14 @@ class RemoteStore:
             if self._fs is None or self._pid != os.getpid():
                 import fsspec  # the [remote] extra; local caches never import it
 
-                options = {"skip_instance_cache": True, **self.storage_options}
+                options = {
+                    "skip_instance_cache": True,
+                    **client_options(self.protocol, self.storage_options, self.retry),
+                }
                 self._fs = fsspec.filesystem(self.protocol, **options)
+                if self.protocol in S3_PROTOCOLS:
+                    self._fs.retries = 1  # s3fs's own retry loop: only `call` retries
+                    self._fs.connect()  # the client now, not in the first request's deadline (no request is sent)
                 self._pid = os.getpid()
             return self._fs
 
@@ -127,33 +182,65 @@ class RemoteStore:
         """The URL of a file named relative to the cache root."""
         return join_url(self.url, relative)
 
-    def call(self, what: str, url: str, request: Callable[[], T]) -> T:
-        """Run one request with bounded retries; a permanent error or the last failure names `url`."""
-        for attempt in range(1, self.retry.attempts + 1):
+    @property
+    def endpoint(self) -> str:
+        """The endpoint requests go to, for messages: the configured one, or the protocol's default."""
+        options = self.storage_options
+        given = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+        return str(given) if given else f"the default {self.protocol} endpoint"
+
+    def call(self, what: str, url: str, request: Callable[[float], T], nbytes: int = 0) -> T:
+        """Run one request within the policy's deadlines and retry budget; its failure names `url` and the endpoint.
+
+        `request(timeout)` makes one try that gives up after `timeout` seconds: the rest of the
+        deadline, and at least one try's deadlines plus time to move `nbytes` at `MIN_TRANSFER_RATE`.
+        """
+        policy = self.retry
+        started = time.monotonic()
+        for attempt in range(1, policy.attempts + 1):
             if self.latency:
                 time.sleep(self.latency)
             self.stats.count(requests=1)
+            left = policy.deadline - (time.monotonic() - started)
             try:
-                return request()
+                return request(max(policy.try_timeout + transfer_allowance(nbytes), left))
             except PERMANENT as error:
                 if isinstance(error, FileNotFoundError):
                     raise FileNotFoundError(f"{url}: does not exist ({what})") from error
                 raise RemoteError(f"{url}: {what} failed: {type(error).__name__}: {error}") from error
             except Exception as error:  # network stacks raise many types; all are worth another try
-                if attempt == self.retry.attempts:
+                pause = policy.delay(attempt)
+                spent = time.monotonic() - started
+                if attempt == policy.attempts or spent + pause >= policy.deadline:
                     raise RemoteError(
-                        f"{url}: {what} failed after {attempt} attempts: {type(error).__name__}: {error}"
+                        f"{url}: {what} failed after {attempt} attempts in {spent:.1f}s (endpoint "
+                        f"{self.endpoint}; deadline {policy.deadline:g}s, connect {policy.connect_timeout:g}s, "
+                        f"read {policy.read_timeout:g}s): {describe(error)}"
                     ) from error
-                pause = self.retry.delay(attempt)
-                log.warning("%s: %s failed (%s); retrying in %.2fs", url, what, error, pause)
+                log.warning("%s: %s failed (%s); retrying in %.2fs", url, what, describe(error), pause)
                 time.sleep(pause)
         raise AssertionError("unreachable")  # the loop returns or raises
+
+    def timed(self, method: str, *args: Any, **kwargs: Any) -> Callable[[float], Any]:
+        """One try of filesystem `method`, bounded by the timeout `call` gives it.
+
+        An asynchronous filesystem (s3fs, gcsfs, adlfs) cancels the request at the timeout itself;
+        any other runs in a helper thread that is abandoned at the timeout.
+        """
+
+        def attempt(timeout: float) -> Any:
+            fs = self.fs
+            if getattr(fs, "async_impl", False):
+                return getattr(fs, method)(*args, timeout=timeout, **kwargs)
+            return run_with_timeout(lambda: getattr(fs, method)(*args, **kwargs), timeout)
+
+        return attempt
 
     def read_range(self, relative: str, start: int, length: int) -> bytes:
         """`length` bytes of a cache file from `start`, in one request; fewer bytes is an error naming the URL."""
         url = self.url_of(relative)
         what = f"reading bytes [{start}, {start + length})"
-        data = self.call(what, url, lambda: self.fs.cat_file(url, start=start, end=start + length))
+        data = self.call(what, url, self.timed("cat_file", url, start=start, end=start + length), length)
         if len(data) != length:
             raise RemoteError(
                 f"{url}: reading bytes [{start}, {start + length}) returned {len(data)} bytes; "
@@ -165,14 +252,14 @@ class RemoteStore:
     def read_all(self, relative: str) -> bytes:
         """A whole cache file."""
         url = self.url_of(relative)
-        data = bytes(self.call("reading", url, lambda: self.fs.cat_file(url)))
+        data = bytes(self.call("reading", url, self.timed("cat_file", url)))
         self.stats.count(nbytes=len(data))
         return data
 
     def size(self, relative: str) -> int:
         """Size in bytes of a cache file."""
         url = self.url_of(relative)
-        info = self.call("looking up the size", url, lambda: self.fs.info(url))
+        info = self.call("looking up the size", url, self.timed("info", url))
         return int(info["size"])
 
     def download(self, relative: str, write: Callable[[bytes], object], chunk: int = 8 << 20) -> int:
@@ -188,14 +275,64 @@ class RemoteStore:
     def upload(self, local: str, relative: str) -> None:
         """Copy a local file to the cache (one object: it appears whole or not at all)."""
         url = self.url_of(relative)
-        self.call("uploading", url, lambda: self.fs.put_file(local, url))
+        self.call("uploading", url, self.timed("put_file", local, url), os.path.getsize(local))
 
     def write_bytes(self, relative: str, data: bytes) -> None:
         """Write a small cache file in one request (one object: whole or absent)."""
         url = self.url_of(relative)
-        self.call("writing", url, lambda: self.fs.pipe_file(url, data))
+        self.call("writing", url, self.timed("pipe_file", url, data), len(data))
 
     def exists(self, relative: str) -> bool:
         """Whether a cache file exists."""
         url = self.url_of(relative)
-        return bool(self.call("checking for", url, lambda: self.fs.exists(url)))
+        return bool(self.call("checking for", url, self.timed("exists", url)))
+
+
+def transfer_allowance(nbytes: int) -> float:
+    """Seconds a try may spend moving `nbytes` on top of its deadlines."""
+    return nbytes / MIN_TRANSFER_RATE
+
+
+def client_options(protocol: str, storage_options: Mapping[str, Any], policy: RequestPolicy) -> dict[str, Any]:
+    """The filesystem's options with the policy's socket deadlines, and (S3) botocore's own retries off.
+
+    Options the user set in `storage_options` win, `config_kwargs` key by key.
+    """
+    options = dict(storage_options)
+    if protocol in S3_PROTOCOLS:
+        ours = {
+            "connect_timeout": policy.connect_timeout,
+            "read_timeout": policy.read_timeout,
+            "retries": {"total_max_attempts": 1},
+        }
+        options["config_kwargs"] = {**ours, **(options.get("config_kwargs") or {})}
+    return options
+
+
+def run_with_timeout(request: Callable[[], T], timeout: float) -> T:
+    """`request()` in a helper thread, or a `TimeoutError` after `timeout` seconds (the thread is abandoned)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, request()))
+        except BaseException as error:  # handed to the caller's thread
+            outcome.append((False, error))
+
+    helper = threading.Thread(target=run, name="remote-request", daemon=True)
+    helper.start()
+    helper.join(timeout)
+    if not outcome:
+        raise TimeoutError(f"no answer within {timeout:.1f}s")
+    succeeded, value = outcome[0]
+    if not succeeded:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def describe(error: BaseException) -> str:
+    """An error as `Type: message`, its cause's too when the message is empty (timeouts often are)."""
+    text = str(error)
+    if not text and error.__cause__ is not None:
+        text = f"({type(error.__cause__).__name__}: {error.__cause__})"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

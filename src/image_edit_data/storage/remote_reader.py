@@ -28,7 +28,7 @@ from .reader import Opened, PayloadReader, close_opened, collect, memory_file, o
 from .remote import RemoteStore
 from .shard_cache import ShardCache
 
-DOWNLOAD_WAIT = 30.0  # seconds a reader waits for a shard download in progress before fetching its own bytes
+DOWNLOAD_WAIT = 30.0  # longest a reader waits for a shard download in progress (at most the request deadline)
 T = TypeVar("T")
 CONCURRENT_REQUESTS = 16  # per process: enough to hide a round trip for a batch, few enough to be polite
 
@@ -136,7 +136,7 @@ class RemotePackedReader(PayloadReader):
         if self.shard_cache is None:
             return None
         number, offset, length = self.index.member(idx)
-        local = self.shard_cache.open_when_cached(number, timeout=DOWNLOAD_WAIT)
+        local = self.shard_cache.open_when_cached(number, timeout=min(DOWNLOAD_WAIT, self.store.retry.deadline))
         if local is None:
             self.fallbacks += 1
             return None

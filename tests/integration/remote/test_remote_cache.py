@@ -34,7 +34,7 @@ from image_edit_data.errors import CacheFormatError
 from image_edit_data.preprocess.cli import cache_main
 from image_edit_data.preprocess.tools.pack import pack_cache
 from image_edit_data.storage.location import CacheLocation
-from image_edit_data.storage.remote import RemoteError, RemoteStore, RetryPolicy
+from image_edit_data.storage.remote import RemoteError, RemoteStore, RequestPolicy
 from image_edit_data.storage.shard_cache import ShardCache
 
 
@@ -205,7 +205,7 @@ def test_transient_errors_are_retried_then_reported_with_the_url(packed_url: str
     fsspec.register_implementation("flaky", FlakyFileSystem, clobber=True)
     packed = tmp_path / "packed"
     pack_cache(tiny_cache(tmp_path / "src", counts=(2,), suffix=".safetensors"), str(packed), shard_bytes=8192)
-    fast = RetryPolicy(attempts=3, base_delay=0.01)
+    fast = RequestPolicy(attempts=3, base_delay=0.01)
     FlakyFileSystem.calls = 0
     store = RemoteStore(f"flaky://{packed}", {"failures": 2}, retry=fast)
     assert len(store.read_range("shards/b0000-000000.tar", 512, 100)) == 100
