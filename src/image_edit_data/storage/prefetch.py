@@ -91,11 +91,14 @@ class ShardPrefetcher:
     def wait(self) -> None:
         """Let downloads in flight finish (each is bounded by the request deadlines)."""
         for future in list(self._pending.values()):
-            future.exception()
+            if not future.cancelled():
+                future.exception()
         self._pending.clear()
 
     def close(self) -> None:
-        """Finish downloads, stop the threads and release the pins."""
+        """Drop queued downloads, finish those in flight, stop the threads and release the pins."""
+        for future in self._pending.values():
+            future.cancel()  # only a download not yet started is cancelled
         self.wait()
         if self._pool is not None:
             self._pool.shutdown()

@@ -146,6 +146,7 @@ def test_demo_samples_writes_one_demo_cache_per_local_source(tmp_path: Path) -> 
         "remote_read": None,
         "local_cache_dir": None,
         "require_checksums": None,
+        "remote_requests": None,
     }
 
 

@@ -68,8 +68,7 @@ def epoch(cache: str | Path, workers: int, **options: Any) -> list[tuple[list[in
             out.append((batch["metadata"]["sample_indices"], digest.hexdigest()))
         return out
     finally:
-        if built.sampler.observer is not None:
-            built.sampler.observer.close()
+        built.dataloader.close()
 
 
 def test_the_default_deadlines_end_a_request_to_a_silent_endpoint_within_120_seconds() -> None:
@@ -127,9 +126,7 @@ def test_an_endpoint_that_falls_silent_mid_epoch_is_an_error_within_the_deadline
                 pass
         elapsed = time.monotonic() - started
     finally:
-        del batches  # the worker pool ends with its iterator
-        if built.sampler.observer is not None:
-            built.sampler.observer.close()
+        built.dataloader.close()  # its workers, stuck or not, and its prefetcher end here
     # Two batches in flight with workers, each at most one request's bound, plus start-up slack.
     assert elapsed < 2 * SHORT_BOUND + 5, elapsed
     assert f"endpoint {proxy.endpoint}" in str(raised.value) and "/shards/" in str(raised.value)
