@@ -80,15 +80,6 @@ def test_the_default_deadlines_end_a_request_to_a_silent_endpoint_within_120_sec
     assert policy.attempts >= 3, "a transient fault gets retried more than once"
 
 
-def test_a_policy_with_an_unknown_or_bad_field_is_refused_naming_it() -> None:
-    with pytest.raises(ValueError, match="remote_requests: unknown option 'timeout'"):
-        RequestPolicy.of({"timeout": 3})
-    with pytest.raises(ValueError, match=r"remote_requests.deadline must be a positive number of seconds, got 0"):
-        RequestPolicy(deadline=0)
-    with pytest.raises(ValueError, match=r"remote_requests.attempts must be a positive integer"):
-        RequestPolicy.of({"attempts": 0})
-
-
 def test_opening_a_cache_on_a_silent_endpoint_fails_within_the_deadline_naming_endpoint_and_object(
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
