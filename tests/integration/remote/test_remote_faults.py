@@ -97,6 +97,7 @@ def test_opening_a_cache_on_a_silent_endpoint_fails_within_the_deadline_naming_e
     assert f"endpoint {endpoint}" in str(raised.value) and f"{packed_url}/" in str(raised.value)
 
 
+@pytest.mark.slow  # waits out a (short) deadline in each of four runs
 @pytest.mark.parametrize("mode", ["range", "shard_cache"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_endpoint_that_falls_silent_mid_epoch_is_an_error_within_the_deadline(

@@ -70,6 +70,7 @@ def local_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Workers on the local cache; the prefetcher (threads, pins) runs in this process, so none on S3.
+@pytest.mark.slow  # twenty loaders, one with a worker pool each time
 @pytest.mark.parametrize(("where", "workers"), [("local", 2), ("s3 shard cache", 0)])
 def test_twenty_loader_rebuilds_hold_what_the_first_held_and_the_fit_leaves_no_workers_or_pins(
     where: str, workers: int, local_cache: Path, tmp_path: Path, request: pytest.FixtureRequest
