@@ -51,6 +51,7 @@ class Measurement:
     server_pid: int | None = None
     shard_window: int = 2
     verify_batches: int = 2
+    server_in_clock: bool = False  # ours with workers: start the fork server inside the cold epoch, not before it
 
 
 @dataclass
@@ -111,7 +112,8 @@ def import_clients(m: Measurement) -> float:
 
     Ours with workers: also start its workers' fork server and wait until it has imported torch and
     the read path, as the DataModule starts it when it is made; litdata's workers are forks of this
-    process, which has those imports already. Returns the seconds the server took (0 without one).
+    process, which has those imports already (`server_in_clock` leaves the server to the cold epoch,
+    as it was measured before 2026-12-05). Returns the seconds the server took (0 without one).
     """
     if m.system == "ours":
         import image_edit_data.dataloader_config
@@ -119,6 +121,8 @@ def import_clients(m: Measurement) -> float:
 
         if m.where == "s3":
             import s3fs  # noqa: F401
+        if m.server_in_clock:
+            return 0.0
         started = time.perf_counter()
         config = image_edit_data.dataloader_config.ImageEditDataloaderConfig(m.source, num_workers=m.workers)
         config.start_workers_early(wait=True)
