@@ -19,7 +19,7 @@ from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
 from .storage.remote import RequestPolicy
 from .workers.resumable_loader import ResumableDataLoader
-from .workers.start import WorkerStart, check_start, start_server_early
+from .workers.start import WorkerStart, check_start, start_server_early, uses_server, wait_for_server
 
 # torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
@@ -155,12 +155,25 @@ class ImageEditDataloaderConfig:
             remote_requests=self.remote_requests,
         )
 
+    def start_workers_early(self, wait: bool = False) -> None:
+        """Start the fork server this config's workers will come from, now; nothing without workers or when they fork.
+
+        The server imports torch, the read path and Lightning (when loaded) once per process: a second
+        or more, before which no pool can deliver a batch. Started early, it imports while this process
+        does other work: the DataModule calls this when it is made, before the model is, and opening
+        the cache calls it at the latest. With `wait`, return only once the server has imported them
+        (within `worker_timeout`), so that the loader's first pool pays only for its own start.
+        """
+        start_server_early(self.multiprocessing_context, self.num_workers)
+        if wait and uses_server(self.multiprocessing_context, self.num_workers):
+            wait_for_server(self.worker_timeout or None)
+
     def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset | MixtureDataset:
         """Open `cache_dir` (default: the configured cache or mixture) with this config's corrupt-sample policy.
 
-        With workers, the fork server starts first and loads itself while the cache opens.
+        With workers, the fork server starts first (unless it runs) and loads itself while the cache opens.
         """
-        start_server_early(self.multiprocessing_context, self.num_workers)
+        self.start_workers_early()
         if cache_dir is not None or self.sources is None:
             return self.open_location(self.location(cache_dir))
         names = [s.display_name for s in self.sources]

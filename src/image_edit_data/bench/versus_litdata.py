@@ -53,6 +53,12 @@ def versus_parser() -> ArgumentParser:
     parser.add_argument(
         "--verify-batches", type=int, default=2, help="Batches per measurement checked against the source."
     )
+    parser.add_argument(
+        "--server-in-clock",
+        type=bool,
+        default=False,
+        help="Ours with workers: start the fork server inside the cold epoch (its imports timed), not before it.",
+    )
     parser.add_argument("--only", type=Literal["local", "s3"] | None, default=None, help="Measure one side only.")
     parser.add_argument(
         "--work-dir", type=str | None, default=None, help="Keep the data here (default: a temporary one)."
@@ -93,6 +99,7 @@ def measurements(
                     server_pid=remote.server_pid if remote is not None and where == "s3" else None,
                     shard_window=args.shard_window,
                     verify_batches=args.verify_batches,
+                    server_in_clock=args.server_in_clock,
                 )
             )
     return plan if round_ % 2 == 0 else plan[::-1]

@@ -5,14 +5,16 @@
 prints the result as one JSON line. A fresh process per measurement gives every cold epoch the
 same start (no imports or pools left from the previous loader) and keeps each loader's clients
 apart (obstore's runtime must not be running in a process that later forks workers). Epoch 1 is
-timed from building the loader (index open and, remote, the index download into a fresh local
-directory) to its last batch; later epochs from `iter()` to their last batch. CPU counts this
+timed from building the loader (index open, the pool's start and, remote, the index download into a
+fresh local directory) to its last batch; imports come before it (ours with workers: the fork
+server's too, `import_clients`); later epochs from `iter()` to their last batch. CPU counts this
 process and its whole tree of workers (`tree_cpu.py`); the S3 server's CPU is read from its process.
 After the timed epochs, the first `verify_batches` batches of one more epoch are digested per sample.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -49,6 +51,7 @@ class Measurement:
     server_pid: int | None = None
     shard_window: int = 2
     verify_batches: int = 2
+    server_in_clock: bool = False  # ours with workers: start the fork server inside the cold epoch, not before it
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Result:
     measurement: Measurement
     epochs: list[Epoch] = field(default_factory=list)
     digests: dict[int, str] = field(default_factory=dict)
+    server_start_seconds: float = 0.0  # ours with workers: the fork server's start and imports, before the clock
 
 
 class Clock:
@@ -103,17 +107,30 @@ def litdata_loader(m: Measurement) -> tuple[Any, Callable[[Any], int], Rows]:
     return loader, lambda batch: int(as_bf16(batch)["target_latent"].shape[0]), litdata_rows
 
 
-def import_clients(m: Measurement) -> None:
-    """Import what the loader will use before the clock starts: the cold epoch measures reading, not imports."""
+def import_clients(m: Measurement) -> float:
+    """Import what the loader will use before the clock starts: the cold epoch measures reading, not imports.
+
+    Ours with workers: also start its workers' fork server and wait until it has imported torch and
+    the read path, as the DataModule starts it when it is made; litdata's workers are forks of this
+    process, which has those imports already (`server_in_clock` leaves the server to the cold epoch,
+    as it was measured before 2026-12-05). Returns the seconds the server took (0 without one).
+    """
     if m.system == "ours":
         import image_edit_data.dataloader_config
-        import image_edit_data.storage.remote  # noqa: F401
+        import image_edit_data.storage.remote
 
         if m.where == "s3":
             import s3fs  # noqa: F401
+        if m.server_in_clock:
+            return 0.0
+        started = time.perf_counter()
+        config = image_edit_data.dataloader_config.ImageEditDataloaderConfig(m.source, num_workers=m.workers)
+        config.start_workers_early(wait=True)
+        return time.perf_counter() - started if m.workers > 0 else 0.0
     else:
         import litdata
         import litdata.streaming.downloader  # noqa: F401
+    return 0.0
 
 
 def timed_epoch(batches: Iterable[Any], count: Callable[[Any], int], clock: Clock, begin: tuple[float, ...]) -> Epoch:
@@ -132,9 +149,12 @@ def timed_epoch(batches: Iterable[Any], count: Callable[[Any], int], clock: Cloc
 
 def measure(m: Measurement) -> Result:
     """Build the loader, time its epochs, digest a few samples of one more epoch, and close it."""
-    import_clients(m)
+    server_seconds = import_clients(m)
+    # The imports leave a full collection owed (over torch's objects: tens of ms here); it would fall in whichever
+    # loader's epoch allocates first. Either loader starts without it, as a trainer that has run a while does.
+    gc.collect()
     clock = Clock(m.server_pid if m.where == "s3" else None)
-    result = Result(m)
+    result = Result(m, server_start_seconds=server_seconds)
     begin = clock.read()
     loader, count, rows = (our_loader if m.system == "ours" else litdata_loader)(m)
     try:

@@ -78,6 +78,8 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.on_resume_mismatch = on_resume_mismatch
         self.demo_samples = demo_samples
         self.config = ImageEditDataloaderConfig(cache_dir=cache_dir, **options)
+        # The workers' fork server imports torch and Lightning while the trainer and the model are made.
+        self.config.start_workers_early()
         # Every data option, defaults included, so each checkpoint records the whole data config.
         module_options = {"batch_size": batch_size, "val_cache_dir": val_cache_dir}
         module_options |= {"on_resume_mismatch": on_resume_mismatch, "demo_samples": demo_samples}

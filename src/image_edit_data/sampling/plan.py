@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import numpy as np
+import numpy.random  # numpy loads it on first use otherwise: 5-8 ms in a loader's first batch
 
 BucketOrder = Literal["interleaved", "sequential"]
 Tail = Literal["drop", "short", "pad"]  # short last batch: dropped, kept short, or filled by cycling

@@ -19,10 +19,12 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+import threading
 import types
 from collections.abc import Iterable
 from multiprocessing.context import BaseContext
-from typing import Literal
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +36,15 @@ WORKER_STARTS: tuple[WorkerStart, ...] = ("forkserver", "spawn", "fork")
 DEFAULT_WORKER_START: WorkerStart = "forkserver"
 # What the default falls back to, once per pool, when a fork-free start cannot re-create the main module.
 FALLBACK_WORKER_START: WorkerStart = "fork"
-# Imported once by the fork server, so each worker it forks starts with them loaded.
-READ_PATH_MODULES = ["torch", "image_edit_data.dataset", "image_edit_data.batch.collate"]
+# Imported once by the fork server, so each worker it forks starts with them loaded: the read path and the
+# worker's own loop and watch (`dataloader_config` imports them all), and numpy.random, which torch's worker
+# loop imports to seed it.
+READ_PATH_MODULES = ["torch", "numpy.random", "image_edit_data.dataloader_config"]
 # Imported by the server too when the training process has them: a worker that runs the main script
 # again then finds them loaded rather than importing them itself.
 FRAMEWORKS = ["lightning.pytorch"]
+# Imported by the server after everything else: collects and freezes what it loaded (`server_freeze.py`).
+SERVER_FREEZE = "image_edit_data.workers.server_freeze"
 
 FIX = (
     'keep the code that trains under `if __name__ == "__main__":` in a script run by its path, and define '
@@ -160,7 +166,7 @@ def server_preload() -> list[str]:
     every version.
     """
     loaded = [name for name in FRAMEWORKS if name in sys.modules]
-    return [*READ_PATH_MODULES, *loaded]
+    return [*READ_PATH_MODULES, *loaded, SERVER_FREEZE]
 
 
 def worker_context(start: WorkerStart) -> BaseContext:
@@ -181,9 +187,50 @@ def start_server_early(start: WorkerStart | None, num_workers: int) -> None:
     loader with workers started by the fork server (the default, unless the main module cannot be
     re-created here: then the pool forks and no server is started).
     """
-    if num_workers <= 0 or start == "fork" or start == "spawn":
-        return
-    if start is None and main_module_problem() is not None:
+    if not uses_server(start, num_workers):
         return
     worker_context("forkserver")  # the server's preload is fixed when it starts
     multiprocessing.forkserver.ensure_running()
+
+
+def uses_server(start: WorkerStart | None, num_workers: int) -> bool:
+    """Whether a loader with `num_workers` workers and start method `start` would start them from the fork server."""
+    if num_workers <= 0 or start not in (None, "forkserver"):
+        return False  # no workers, a start without the server, or a name `check_start` refuses at build
+    return start == "forkserver" or main_module_problem() is None
+
+
+def wait_for_server(timeout: float | None) -> None:
+    """Return once the fork server (started now if it is not running) has imported its preload.
+
+    The server forks its first process only after its imports, so this starts one process through it
+    that does nothing and waits for it to end, from a thread: a server that takes longer than
+    `timeout` seconds (None: no limit) raises here rather than blocking the caller.
+    """
+    context: Any = worker_context("forkserver")  # a ForkServerContext, typed as its base, which has no Process
+    process = context.Process(target=_nothing, name="fork-server-ready", daemon=True)
+    failed: list[BaseException] = []
+    starting = threading.Thread(target=_start_into, args=(process, failed), name="fork-server-wait", daemon=True)
+    starting.start()
+    starting.join(timeout)
+    if starting.is_alive():
+        raise RuntimeError(f"the loader workers' fork server did not load its imports within {timeout:g} s")
+    if failed:
+        raise RuntimeError(f"the loader workers' fork server could not start a process: {failed[0]}") from failed[0]
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(
+            f"a process started by the loader workers' fork server ended with exit code {process.exitcode}"
+            f"{start_failure_hint('forkserver')}"
+        )
+
+
+def _start_into(process: BaseProcess, failed: list[BaseException]) -> None:
+    try:
+        process.start()
+    except Exception as error:  # handed to the waiting thread, which raises it
+        failed.append(error)
+
+
+def _nothing() -> None:
+    """What `wait_for_server`'s process runs (module level, so the server's child finds it by name)."""

@@ -8,16 +8,20 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support import ROOT
+from support.caches import tiny_cache
 
 from image_edit_data.__main__ import main
 from image_edit_data.bench.sample_digest import our_rows
 from image_edit_data.bench.tree_cpu import tree_cpu_seconds
 from image_edit_data.bench.versus_litdata import check_digests
+from image_edit_data.bench.versus_one import Measurement
 from image_edit_data.bench.versus_report import ROWS
 from image_edit_data.dataloader_config import ImageEditDataloaderConfig
 
@@ -58,6 +62,9 @@ def test_a_tiny_run_reports_every_row_with_positive_rates_and_ratios(tiny_run: t
             assert positive(row["ours_server_cpu_s"]) and positive(row["litdata_server_cpu_s"]), row
     assert numbers["commit"] and numbers["machine"]["cpu_count"]
     assert all(count >= 4 for count in numbers["verified_samples"].values())  # every loader had a batch checked
+    for result in numbers["measurements"]:  # our fork server is started (and timed) before the clock, when used
+        m = result["measurement"]
+        assert positive(result["server_start_seconds"]) == (m["system"] == "ours" and m["workers"] > 0), m
 
 
 @pytest.mark.slow  # shares the tiny run above
@@ -109,3 +116,27 @@ def test_tree_cpu_counts_a_live_grandchild_that_is_no_ones_reaped_child() -> Non
             os.kill(grandchild, signal.SIGKILL)
         child.kill()
         child.wait()
+
+
+def measured(cache: Path, tmp_path: Path, **options: Any) -> dict[str, Any]:
+    """One `versus_one` measurement of ours over `cache` in a fresh process, as the bench runs it."""
+    m = Measurement("ours", "files", "local", str(cache), 2, 2, 1, str(tmp_path / "local"), verify_batches=0, **options)
+    done = subprocess.run(
+        [sys.executable, "-m", "image_edit_data.bench.versus_one", json.dumps(asdict(m))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.slow  # two fresh processes, each with a fork server importing torch
+def test_our_fork_server_loads_before_the_cold_epoch_unless_asked_to_start_inside_it(tmp_path: Path) -> None:
+    cache = tiny_cache(tmp_path / "cache", counts=(8,))
+    before, inside = measured(cache, tmp_path), measured(cache, tmp_path, server_in_clock=True)
+    assert positive(before["server_start_seconds"]) and inside["server_start_seconds"] == 0
+    for result in (before, inside):
+        assert result["epochs"][0]["samples"] == 8

@@ -1,17 +1,26 @@
-"""With workers, the fork server starts when the cache opens, so its imports overlap what comes before the pool."""
+"""The workers' fork server starts as soon as the process says it will use one, and loads itself before any worker.
+
+With workers, it starts when the cache opens, or earlier when the DataModule is made, so that its
+imports overlap what comes before the pool; `start_workers_early(wait=True)` returns once it has
+loaded them, and what it loaded is frozen out of the garbage collector's reach before it forks.
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 from support import ROOT
 from support.caches import tiny_cache
 
-CHILD = """
-import os, sys, time
-from image_edit_data import ImageEditDataloaderConfig
+from image_edit_data.workers import start
+
+CHILDREN = """
+import os
 
 def children() -> list[str]:
     found = []
@@ -22,26 +31,129 @@ def children() -> list[str]:
                     found.append(command.read().replace(b"\\0", b" ").decode())
     return found
 
+def servers() -> int:
+    return sum("multiprocessing.forkserver" in command for command in children())
+"""
+
+OPEN = """
+import sys
+from image_edit_data import ImageEditDataloaderConfig
+
 workers = int(sys.argv[2])
 ImageEditDataloaderConfig(cache_dir=sys.argv[1], num_workers=workers).open_dataset()
-print(sum("multiprocessing.forkserver" in command for command in children()))
+print(servers())
+"""
+
+DATAMODULE = """
+import sys
+from image_edit_data.lightning import ImageEditDataModule
+
+ImageEditDataModule(cache_dir=sys.argv[1], num_workers=0)
+print(servers())
+ImageEditDataModule(cache_dir=sys.argv[1], num_workers=2)
+print(servers())
+"""
+
+# What a process forked by the server finds: its imports, and how many objects it inherited frozen.
+REPORT = """
+import gc
+import sys
+
+def report(queue) -> None:
+    queue.put((gc.get_freeze_count(), "torch" in sys.modules, "numpy.random" in sys.modules))
+"""
+
+WAITED = """
+import sys, multiprocessing
+import forked_report
+from image_edit_data import ImageEditDataloaderConfig
+from image_edit_data.workers.start import worker_context
+
+ImageEditDataloaderConfig(cache_dir=sys.argv[1], num_workers=2).start_workers_early(wait=True)
+print(servers())
+context = worker_context("forkserver")
+queue = context.SimpleQueue()
+process = context.Process(target=forked_report.report, args=(queue,))
+process.start()
+print(*queue.get())
+process.join()
 """
 
 
-def servers_after_opening(cache: Path, workers: int) -> int:
-    """Fork servers a fresh process runs right after opening the cache with `workers` workers (no loader built)."""
+def child_lines(code: str, *args: str, path: Path | None = None) -> list[str]:
+    """The output lines of a fresh `python -c` running `code` (with the `servers()` helper) on `args`."""
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(cache), str(workers)],
+        [sys.executable, "-c", CHILDREN + code, *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": ":".join(str(p) for p in (ROOT / "src", path) if p), "PATH": "/usr/bin:/bin"},
         check=True,
     )
-    return int(result.stdout.strip().splitlines()[-1])
+    return result.stdout.strip().splitlines()
 
 
 def test_opening_a_cache_with_workers_starts_the_fork_server_and_without_workers_does_not(tmp_path: Path) -> None:
     cache = tiny_cache(tmp_path / "cache", counts=(4,))
-    assert servers_after_opening(cache, 2) == 1
-    assert servers_after_opening(cache, 0) == 0
+    assert child_lines(OPEN, str(cache), "2")[-1] == "1"
+    assert child_lines(OPEN, str(cache), "0")[-1] == "0"
+
+
+@pytest.mark.slow  # a fresh process imports Lightning, and its server too
+def test_a_datamodule_with_workers_starts_the_fork_server_when_it_is_made(tmp_path: Path) -> None:
+    cache = tiny_cache(tmp_path / "cache", counts=(4,))
+    assert child_lines(DATAMODULE, str(cache))[-2:] == ["0", "1"]
+
+
+def test_a_waited_for_server_has_loaded_and_frozen_torch_before_it_forks(tmp_path: Path) -> None:
+    cache = tiny_cache(tmp_path / "cache", counts=(4,))
+    (tmp_path / "forked_report.py").write_text(REPORT)
+    servers, report = child_lines(WAITED, str(cache), path=tmp_path)[-2:]
+    frozen, torch_loaded, numpy_random_loaded = report.split()
+    assert servers == "1"
+    assert torch_loaded == "True" and numpy_random_loaded == "True"
+    assert int(frozen) > 10_000  # torch alone leaves well over a hundred thousand objects
+
+
+class SlowContext:
+    """A stand-in start context whose processes take `seconds` to start, or fail to."""
+
+    def __init__(self, seconds: float, error: Exception | None = None) -> None:
+        self.seconds = seconds
+        self.error = error
+
+    def Process(self, **_: Any) -> Any:  # the name multiprocessing contexts use
+        context = self
+
+        class Stalled:
+            exitcode = None
+
+            def start(self) -> None:
+                time.sleep(context.seconds)
+                if context.error is not None:
+                    raise context.error
+
+            def join(self) -> None:
+                pass
+
+        return Stalled()
+
+
+def test_waiting_for_a_server_that_does_not_load_in_time_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(start, "worker_context", lambda _: SlowContext(2.0))
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="fork server did not load its imports within 0.1 s"):
+        start.wait_for_server(0.1)
+    assert time.monotonic() - began < 1.5
+
+
+def test_a_server_that_cannot_start_a_process_is_an_error_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(start, "worker_context", lambda _: SlowContext(0.0, OSError("connection refused")))
+    with pytest.raises(RuntimeError, match="could not start a process: connection refused"):
+        start.wait_for_server(5.0)
+
+
+def test_without_workers_or_with_a_fork_start_no_server_is_used() -> None:
+    assert not start.uses_server(None, 0)
+    assert not start.uses_server("fork", 2) and not start.uses_server("spawn", 2)
+    assert start.uses_server("forkserver", 2)
