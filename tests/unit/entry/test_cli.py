@@ -58,7 +58,7 @@ def test_every_shipped_config_parses_against_the_real_cli(
 def test_quickstart_builds_its_cache_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     small = [
         "--config", str(ROOT / "configs/quickstart.yaml"),
-        "--data.demo_samples", "320", "--data.batch_size", "8", "--data.num_workers", "0",
+        "--data.demo_samples", "192", "--data.batch_size", "8", "--data.num_workers", "0",
         "--model.init_args.hidden_dim", "64", "--model.init_args.depth", "2", "--model.init_args.warmup_steps", "5",
         "--trainer.max_epochs", "1",
     ]  # fmt: skip
