@@ -124,6 +124,8 @@ def main(argv: list[str]) -> None:
         default_root_dir=out,
     )
     trainer.fit(model, datamodule=datamodule, ckpt_path=args.ckpt)
+    if torch.distributed.is_initialized():  # gloo's threads joined now, not torn down at interpreter exit (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
