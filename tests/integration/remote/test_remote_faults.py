@@ -24,7 +24,7 @@ from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset, RemoteE
 from image_edit_data.preprocess.cli import cache_main
 from image_edit_data.storage.remote_reader import DOWNLOAD_WAIT
 
-SHORT = {"connect_timeout": 0.5, "read_timeout": 1.0, "attempts": 3, "deadline": 3.0, "base_delay": 0.01}
+SHORT = {"connect_timeout": 0.5, "read_timeout": 1.0, "attempts": 3, "deadline": 2.5, "base_delay": 0.01}
 # The longest a request may take under SHORT: its deadline, one more try started just before it, a pause.
 SHORT_BOUND = SHORT["deadline"] + SHORT["connect_timeout"] + SHORT["read_timeout"] + 1.0
 FAST_RETRIES = {"attempts": 8, "base_delay": 0.01, "max_delay": 0.05, "deadline": 30.0}

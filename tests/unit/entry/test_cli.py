@@ -19,7 +19,8 @@ CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    # One math thread: the other test worker has the other core (two threads each would thrash).
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "image_edit_data", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=600, env=env)
 
