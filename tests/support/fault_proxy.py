@@ -83,16 +83,20 @@ class FaultProxy:
                     if fault in ("reset", "truncate") and len(data) > 1:
                         self.send_partial(response, data, reset=fault == "reset")
                         return
-                    self.send_response(response.status, response.reason)
-                    for key, value in response.getheaders():
-                        if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                            self.send_header(key, value)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
+                    self.send_head(response, len(data))
                     if self.command != "HEAD":
                         self.wfile.write(data)
                 finally:
                     upstream.close()
+
+            def send_head(self, response: http.client.HTTPResponse, length: int) -> None:
+                """The upstream's status and headers, with a body of `length` bytes announced."""
+                self.send_response(response.status, response.reason)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(length))
+                self.end_headers()
 
             def answer_error(self, status: int) -> None:
                 text = b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
@@ -104,12 +108,7 @@ class FaultProxy:
 
             def send_partial(self, response: http.client.HTTPResponse, data: bytes, reset: bool) -> None:
                 """Promise the whole body, send half of it, then reset (RST) or close the connection."""
-                self.send_response(response.status, response.reason)
-                for key, value in response.getheaders():
-                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
+                self.send_head(response, len(data))
                 self.wfile.write(data[: len(data) // 2])
                 self.wfile.flush()
                 if reset:  # SO_LINGER 0: close sends RST instead of FIN
