@@ -23,6 +23,8 @@ T = TypeVar("T")
 # The slowest transfer a try waits for: a request moving N bytes may take N / MIN_TRANSFER_RATE seconds
 # beyond its connect and read deadlines before it counts as stalled.
 MIN_TRANSFER_RATE = 1 << 20
+# Files up to this size are downloaded in one GET; larger ones in ranged parts of this size.
+WHOLE_GET_BYTES = 64 << 20
 S3_PROTOCOLS = ("s3", "s3a")
 # Errors that mean the object is not there or not ours to read: retrying cannot help.
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
@@ -249,10 +251,10 @@ class RemoteStore:
         self.stats.count(nbytes=length)
         return bytes(data)
 
-    def read_all(self, relative: str) -> bytes:
-        """A whole cache file."""
+    def read_all(self, relative: str, nbytes: int = 0) -> bytes:
+        """A whole cache file in one request (`nbytes`, when known, extends the try's deadline for the transfer)."""
         url = self.url_of(relative)
-        data = bytes(self.call("reading", url, self.timed("cat_file", url)))
+        data = bytes(self.call("reading", url, self.timed("cat_file", url), nbytes))
         self.stats.count(nbytes=len(data))
         return data
 
@@ -262,12 +264,25 @@ class RemoteStore:
         info = self.call("looking up the size", url, self.timed("info", url))
         return int(info["size"])
 
-    def download(self, relative: str, write: Callable[[bytes], object], chunk: int = 8 << 20) -> int:
-        """Stream a whole cache file to `write`, chunk by chunk (each chunk one retried request); bytes written."""
-        total = self.size(relative)
+    def download(
+        self, relative: str, write: Callable[[bytes], object], size: int | None = None, part: int = WHOLE_GET_BYTES
+    ) -> int:
+        """Move a whole cache file to `write`; the bytes written.
+
+        A file of at most `part` bytes (a packed cache's usual shard) takes one GET: on S3 every
+        request costs a round trip, and an endpoint may read the whole object to answer a ranged one.
+        A larger file goes in ranged requests of `part` bytes, so no try holds more than that in memory.
+        `size` (from the index) saves asking the endpoint for it; a file of another size is the
+        caller's to refuse.
+        """
+        total = self.size(relative) if size is None else size
+        if total <= part:
+            data = self.read_all(relative, total)
+            write(data)
+            return len(data)
         done = 0
         while done < total:
-            piece = self.read_range(relative, done, min(chunk, total - done))
+            piece = self.read_range(relative, done, min(part, total - done))
             write(piece)
             done += len(piece)
         return done

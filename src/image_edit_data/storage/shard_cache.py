@@ -205,7 +205,7 @@ class ShardCache:
                     digest.update(piece)
                     stream.write(piece)
 
-                size = self.store.download(shard.path, write)
+                size = self.store.download(shard.path, write, shard.nbytes)
                 if size != shard.nbytes:
                     self.refuse(number, Verdict("bytes", str(size), str(shard.nbytes)), "truncated or replaced")
                 if digest.hexdigest() != shard.sha256:

@@ -63,3 +63,23 @@ def test_processes_fetching_at_once_never_hold_more_than_the_budget(tmp_path: Pa
     for path in cached:  # every shard that is there is whole and verified
         assert hashlib.sha256(path.read_bytes()).hexdigest() == path.stem
     assert not list(directory.glob(".*.tmp"))
+
+
+def test_a_shard_download_is_one_request_with_its_size_taken_from_the_index(tmp_path: Path) -> None:
+    source = tmp_path / "remote"
+    shards = write_shards(source)
+    cache = open_cache(source, shards, tmp_path / "cache")
+    assert cache.fetch(5)
+    assert cache.store.stats.requests == 1  # no size request, no parts
+    assert cache.local_path(5).read_bytes() == (source / "5.tar").read_bytes()
+
+
+def test_a_file_larger_than_one_get_comes_in_ranged_parts_and_whole(tmp_path: Path) -> None:
+    source = tmp_path / "remote"
+    shards = write_shards(source)
+    store = RemoteStore(f"file://{source}")
+    received = bytearray()
+    assert store.download("3.tar", received.extend, SHARD_BYTES, part=SHARD_BYTES // 3 + 1) == SHARD_BYTES
+    assert store.stats.requests == 3
+    assert bytes(received) == (source / "3.tar").read_bytes()
+    assert shards[3].sha256 == hashlib.sha256(received).hexdigest()
