@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from support.caches import make_payload, write_cache
@@ -16,6 +19,7 @@ from image_edit_data.index.store import open_index
 from image_edit_data.payload.payload import OpenPayload
 from image_edit_data.preprocess.tools.pack import pack_cache
 from image_edit_data.storage.damaged import DamagedShards
+from image_edit_data.storage.prefetch import ShardPrefetcher
 from image_edit_data.storage.remote import RemoteStore
 from image_edit_data.storage.remote_reader import RemotePackedReader
 from image_edit_data.storage.shard_cache import ShardCache
@@ -94,3 +98,58 @@ def test_a_kept_descriptor_of_an_evicted_shard_is_closed_when_another_shard_is_o
     expected = ImageEditDataset(packed)[first]["target_latent"]
     assert torch.equal(read_all(reader, [first])[0], expected) and reader.fallbacks == 1  # now by a ranged read
     reader.close()
+
+
+class Plan:
+    """An epoch plan of `steps` steps of `size` samples each, in sample order."""
+
+    def __init__(self, steps: int, size: int) -> None:
+        self.steps, self.size = steps, size
+        self.scans = 0
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def step_samples(self, steps: slice) -> np.ndarray:
+        self.scans += 1
+        start, stop, _ = steps.indices(self.steps)
+        return np.arange(start * self.size, stop * self.size)
+
+
+class Sampler:
+    """What the prefetcher needs of the sampler: one plan, from step 0."""
+
+    segment_start = 0
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def plan(self) -> Any:
+        return self._plan
+
+
+def test_the_prefetcher_scans_the_plan_a_few_times_per_window_and_its_pins_cover_every_batch_around_it(
+    packed: Path, tmp_path: Path
+) -> None:
+    index = open_index(packed, use_store=False)
+    store = RemoteStore(f"file://{packed}")
+    largest = max(shard.nbytes for shard in index.shards)
+    cache = ShardCache(store, index.shards, tmp_path / "cache", largest)  # pins only the window: no room beyond
+    for shard in index.shards:  # every shard already on the node: nothing to download, nothing finishes
+        shutil.copyfile(packed / shard.path, tmp_path / "cache" / f"{shard.sha256}.tar")
+    steps, size, ahead, behind = 64, 2, 8, 2
+    member_shard = np.repeat(np.arange(len(index.shards)), -(-steps * size // len(index.shards)))[: steps * size]
+    prefetcher = ShardPrefetcher(cache, member_shard, ahead=ahead, behind=behind)
+    plan = Plan(steps, size)
+    sampler = Sampler(plan)
+    try:
+        for step in range(steps):
+            prefetcher(sampler, step)
+            window = member_shard[max(0, step - behind) * size : min(steps, step + ahead + 1) * size]
+            assert set(window.tolist()) <= cache.pinned(), step
+        assert plan.scans <= steps // 2  # once per step or more would be a scan of the plan per batch
+    finally:
+        prefetcher.close()
