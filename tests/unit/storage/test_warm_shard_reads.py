@@ -16,6 +16,7 @@ from support.packed_copies import sample_in_shard
 
 from image_edit_data import ImageEditDataset
 from image_edit_data.index.store import open_index
+from image_edit_data.mixture_dataset import MixturePrefetcher
 from image_edit_data.payload.payload import OpenPayload
 from image_edit_data.preprocess.tools.pack import pack_cache
 from image_edit_data.storage.damaged import DamagedShards
@@ -153,3 +154,21 @@ def test_the_prefetcher_scans_the_plan_a_few_times_per_window_and_its_pins_cover
         assert plan.scans <= steps // 2  # once per step or more would be a scan of the plan per batch
     finally:
         prefetcher.close()
+
+
+def test_a_mixture_sources_prefetcher_also_scans_the_plan_a_few_times_per_window(packed: Path, tmp_path: Path) -> None:
+    index = open_index(packed, use_store=False)
+    largest = max(shard.nbytes for shard in index.shards)
+    cache = ShardCache(RemoteStore(f"file://{packed}"), index.shards, tmp_path / "cache", largest)
+    for shard in index.shards:
+        shutil.copyfile(packed / shard.path, tmp_path / "cache" / f"{shard.sha256}.tar")
+    steps, size = 64, 2
+    member_shard = np.arange(steps * size) * len(index.shards) // (steps * size)
+    mixture = MixturePrefetcher([(0, steps * size, ShardPrefetcher(cache, member_shard, ahead=8, behind=2))])
+    plan = Plan(steps, size)
+    try:
+        for step in range(steps):
+            mixture(Sampler(plan), step)
+        assert plan.scans <= steps // 2
+    finally:
+        mixture.close()
