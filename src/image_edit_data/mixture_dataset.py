@@ -319,10 +319,19 @@ class MixturePrefetcher:
 
     def __init__(self, parts: list[tuple[int, int, ShardPrefetcher]]) -> None:
         self.parts = parts  # (first mixture id, samples, prefetcher) per source that has one
+        self._plan: Any = None  # the mixture's plan the source plans below were made for
+        self._source_plans: list[_SourcePlan] = []
 
     def __call__(self, sampler: Any, step: int) -> None:
-        for offset, size, prefetcher in self.parts:
-            prefetcher(_SourceView(sampler, offset, size), step)
+        plan = sampler.plan()
+        if plan is not self._plan:  # one source plan per epoch plan: a prefetcher knows its epoch by the object
+            self._plan = plan
+            self._source_plans = [_SourcePlan(plan, offset, size) for offset, size, _ in self.parts]
+        for (_, _, prefetcher), source_plan in zip(self.parts, self._source_plans):
+            prefetcher(_SourceView(sampler, source_plan), step)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_plan": None, "_source_plans": []}  # plans stay in the training process
 
     def close(self) -> None:
         """Close every source's prefetcher."""
@@ -333,15 +342,15 @@ class MixturePrefetcher:
 class _SourceView:
     """A sampler as one source's prefetcher sees it: its plan holds only that source's samples, in its ids."""
 
-    def __init__(self, sampler: Any, offset: int, size: int) -> None:
-        self.sampler, self.offset, self.size = sampler, offset, size
+    def __init__(self, sampler: Any, source_plan: _SourcePlan) -> None:
+        self.sampler, self.source_plan = sampler, source_plan
         self.segment_start = int(sampler.segment_start)
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def plan(self) -> _SourcePlan:
-        return _SourcePlan(self.sampler.plan(), self.offset, self.size)
+        return self.source_plan
 
 
 @dataclass(frozen=True)

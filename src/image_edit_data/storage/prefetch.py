@@ -6,6 +6,10 @@ that one (handed out, maybe not yet loaded by a worker) to `ahead` steps after i
 further shards in plan order as the budget holds, then downloads the missing ones in plan order on
 background threads. Pinned shards are never evicted, by this
 process or another on the node; a shard that does not fit yet is read by ranged requests instead.
+
+Working that out scans the plan and stats the cache, which costs more than reading a warm batch,
+so it is done every `stride` steps, over a window `stride` steps longer, and whenever a download
+finishes: between two refreshes, every batch's window lies inside the one pinned at the last.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class ShardPrefetcher:
         self.ahead = ahead
         self.behind = behind
         self.threads = threads
+        self.stride = max(1, ahead // 2)  # steps between two refreshes of the pins
+        self._covered: tuple[Any, int, int] | None = None  # (plan, first step, end step) the pins serve as they are
         self.slots = cache.budget // max((s.nbytes for s in cache.shards), default=1)  # shards the budget holds
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future[bool]] = {}
@@ -68,7 +74,9 @@ class ShardPrefetcher:
         local = step - sampler.segment_start
         if step >= len(sampler):  # the epoch is handed out; downloads in flight go on (workers never fork anew)
             return
-        first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + 1)
+        if self.covered(plan, local):
+            return
+        first, last = max(0, local - self.behind), min(len(plan), local + self.ahead + self.stride)
         needed = self.shards_of(plan, first, last)
         # Beyond the window, look as many shards ahead as the budget holds besides it, and pin those
         # too: a shard fetched ahead is not evicted before the plan reaches it.
@@ -87,6 +95,18 @@ class ShardPrefetcher:
         for number in needed:
             if number not in self._pending and not self.cache.local_path(number).exists():
                 self._pending[number] = self._pool.submit(self.cache.fetch, number)
+        self._covered = (plan, local, local + self.stride)
+
+    def covered(self, plan: Any, local: int) -> bool:
+        """Whether the pins and downloads of the last refresh still serve step `local` of `plan`.
+
+        They do for the `stride` steps after it, on the same plan (an epoch's plan is one object),
+        while no download has finished since (its shard may need fetching again, or it failed).
+        """
+        if self._covered is None:
+            return False
+        plan_then, start, end = self._covered
+        return plan_then is plan and start <= local < end and not any(f.done() for f in self._pending.values())
 
     def wait(self) -> None:
         """Let downloads in flight finish (each is bounded by the request deadlines)."""
@@ -108,4 +128,5 @@ class ShardPrefetcher:
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state["_pool"], state["_pending"] = None, {}  # threads and futures stay in their process
+        state["_covered"] = None
         return state

@@ -9,7 +9,8 @@ Every read of a packed member is checked against its recorded checksum (index/pa
 cache has them: the payload carries the check (`payload/member_check.py`) and the batch computes
 it in the same pass that copies the member's tensors (`batch/fill.py`), so each byte is read once.
 A local packed cache keeps one descriptor per shard in each process (`ShardFiles`), opened and
-checked against the manifest once, instead of an open, stat and close per sample.
+checked against the manifest once, instead of an open, stat and close per sample; so does a
+remote one for the shards in the node's shard cache (`CachedShardFiles`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..contract.paths import ContainedOpener
@@ -167,14 +167,7 @@ class ShardFiles:
             path, descriptor, info = self.opener.open(shard.path, shard.path)
         except OSError as error:
             read_failed(shard.path, error)
-        if info.st_size != shard.nbytes:
-            os.close(descriptor)
-            fail(
-                shard.path,
-                "bytes",
-                f"shard is {info.st_size} bytes, the manifest says {shard.nbytes} (truncated or replaced)",
-            )
-        return path, descriptor
+        return path, checked_size(descriptor, info, shard.nbytes, shard.path)
 
     def evict(self) -> None:
         """Close the least recently used shards no payload holds, down to `limit` open."""
@@ -195,6 +188,58 @@ class ShardFiles:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["opener"], state["shards"], state["limit"])  # type: ignore[misc]
+
+
+class NotCached(Exception):
+    """The shard is not in the node's shard cache (read its members by ranged requests instead)."""
+
+
+class CachedShardFiles(ShardFiles):
+    """One open descriptor per shard of the node's shard cache in this process, for as long as it is read.
+
+    A cached shard is complete and verified before it appears (`shard_cache.py`), and is named by
+    its SHA-256, so a descriptor opened once reads the right bytes for as long as it is kept, even
+    after the shard is evicted. Eviction frees no disk while a descriptor stays open, so each time
+    a shard is opened, kept descriptors of evicted shards that no payload holds are closed. Recency
+    for eviction is marked when a process opens a shard, not per read: the shards being read are
+    pinned by the prefetcher, and pinned shards are never evicted whatever their age.
+    """
+
+    def __init__(self, cache: ShardCache, wait: float, limit: int | None = None) -> None:
+        self.cache = cache
+        self.wait = wait  # longest to wait for a download of the shard already in progress
+        super().__init__(ContainedOpener(cache.directory), cache.shards, limit)
+
+    def opened(self, number: int) -> tuple[str, int]:
+        """Open cached shard `number` (size checked against the manifest); raises `NotCached` when it is not there."""
+        self.close_evicted()
+        found = self.cache.open_when_cached(number, self.wait)
+        if found is None:
+            raise NotCached(number)
+        descriptor, info = found
+        path = str(self.cache.local_path(number))
+        return path, checked_size(descriptor, info, self.shards[number].nbytes, path)
+
+    def close_evicted(self) -> None:
+        """Close kept descriptors whose shard was evicted (unlinked) and that no payload holds."""
+        for number, (_, descriptor) in list(self.open_files.items()):
+            if number not in self.holders and os.fstat(descriptor).st_nlink == 0:
+                del self.open_files[number]
+                os.close(descriptor)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"cache": self.cache, "wait": self.wait, "limit": self.limit}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["cache"], state["wait"], state["limit"])  # type: ignore[misc]
+
+
+def checked_size(descriptor: int, info: os.stat_result, nbytes: int, shard: str) -> int:
+    """`descriptor`, once its file's size is the manifest's `nbytes`; closed, and refused naming `shard`, otherwise."""
+    if info.st_size != nbytes:
+        os.close(descriptor)
+        fail(shard, "bytes", f"shard is {info.st_size} bytes, the manifest says {nbytes} (truncated or replaced)")
+    return descriptor
 
 
 def close_descriptors(open_files: OrderedDict[int, tuple[str, int]]) -> None:
@@ -252,26 +297,3 @@ def memory_file(data: bytes, name: str) -> tuple[int, os.stat_result]:
 def remote_member(relative: str, size: int) -> tuple[int, int] | None:
     """Read a remote `.safetensors` file as one member spanning the whole memory file; `.pt` by its format."""
     return (0, size) if relative.endswith(".safetensors") else None
-
-
-def open_checked(
-    path: str | Path,
-    descriptor: int,
-    info: os.stat_result,
-    size: int,
-    shard: str,
-    display: str,
-    member: tuple[int, int],
-    checksum: int | None = None,
-) -> OpenPayload:
-    """Open a member of a local shard (owning `descriptor`) after checking the shard's size against the manifest.
-
-    The member's checksum travels with the payload and is checked as the batch reads its tensors.
-    """
-    try:
-        if info.st_size != size:
-            fail(shard, "bytes", f"shard is {info.st_size} bytes, the manifest says {size} (truncated or replaced)")
-        return open_member(descriptor, display, member, checksum, f"read from {path}", owned=True)
-    except BaseException:
-        os.close(descriptor)
-        raise

@@ -21,10 +21,19 @@ from typing import TypeVar
 from ..errors import CacheFormatError, fail
 from ..index.index import CacheIndex
 from ..index.packed import check_member_bytes
-from ..payload.payload import OpenPayload, open_payload
+from ..payload.payload import OpenPayload, open_member, open_payload
 from .damaged import DamagedShards
 from .prefetch import ShardPrefetcher
-from .reader import Opened, PayloadReader, close_opened, collect, memory_file, open_checked, remote_member
+from .reader import (
+    CachedShardFiles,
+    NotCached,
+    Opened,
+    PayloadReader,
+    close_opened,
+    collect,
+    memory_file,
+    remote_member,
+)
 from .remote import RemoteStore
 from .shard_cache import ShardCache
 
@@ -105,6 +114,8 @@ class RemotePackedReader(PayloadReader):
         self.damaged = damaged
         self.fallbacks = 0  # shard-cache misses served by a ranged request, in this process
         self.fetcher = Fetcher()
+        if shard_cache is not None:  # each cached shard opened once per process, not per sample
+            self.cached_files = CachedShardFiles(shard_cache, min(DOWNLOAD_WAIT, store.retry.deadline))
 
     def display(self, idx: int) -> str:
         shard = self.index.shards[self.index.member(idx)[0]].path
@@ -136,15 +147,24 @@ class RemotePackedReader(PayloadReader):
         if self.shard_cache is None:
             return None
         number, offset, length = self.index.member(idx)
-        local = self.shard_cache.open_when_cached(number, timeout=min(DOWNLOAD_WAIT, self.store.retry.deadline))
-        if local is None:
+        try:
+            path, descriptor = self.cached_files.take(number)
+        except NotCached:
             self.fallbacks += 1
             return None
-        descriptor, info = local
-        path = str(self.shard_cache.local_path(number))
-        expected = self.index.checksum(idx)
-        size = self.index.shards[number].nbytes
-        return open_checked(path, descriptor, info, size, path, self.display(idx), (offset, length), expected)
+        try:
+            release = functools.partial(self.cached_files.give_back, number)
+            return open_member(
+                descriptor,
+                self.display(idx),
+                (offset, length),
+                self.index.checksum(idx),
+                f"read from {path}",
+                release=release,
+            )
+        except BaseException:
+            self.cached_files.give_back(number)
+            raise
 
     def ranged_bytes(self, idx: int) -> bytes:
         """Member `idx`'s bytes, by one ranged request (refused for a shard known damaged with nothing to check by)."""
@@ -164,6 +184,10 @@ class RemotePackedReader(PayloadReader):
 
     def shard_bytes(self, number: int) -> bytes:
         return self.store.read_all(self.index.shards[number].path)
+
+    def close(self) -> None:
+        if self.shard_cache is not None:
+            self.cached_files.close()
 
     def prefetcher(self, in_flight: int) -> ShardPrefetcher | None:
         """With a shard cache: pin the batches workers may hold and fetch further ahead (the budget bounds it)."""
