@@ -49,6 +49,15 @@ def proxy(s3: dict[str, Any]) -> Any:
         yield running
 
 
+def largest_shard_bytes(s3: dict[str, Any], url: str) -> int:
+    """The size of the packed cache's largest shard, as the endpoint lists it."""
+    import s3fs
+
+    sizes = s3fs.S3FileSystem(skip_instance_cache=True, **s3).du(f"{url}/shards", total=False)
+    assert len(sizes) > 6, sizes  # more shards than the budget below holds
+    return max(sizes.values())
+
+
 def through(s3: dict[str, Any], endpoint: str) -> dict[str, Any]:
     """The test endpoint's storage options, pointed at `endpoint` instead."""
     return {**s3, "endpoint_url": endpoint}
@@ -104,6 +113,8 @@ def test_an_endpoint_that_falls_silent_mid_epoch_is_an_error_within_the_deadline
     s3: dict[str, Any], packed_url: str, proxy: FaultProxy, tmp_path: Path, workers: int, mode: str
 ) -> None:
     options = {"storage_options": through(s3, proxy.endpoint), "remote_read": mode, "remote_requests": SHORT}
+    # A budget of three shards: the shard cache cannot have fetched the whole epoch before the fault.
+    options["shard_cache_bytes"] = 3 * largest_shard_bytes(s3, packed_url)
     config = ImageEditDataloaderConfig(
         packed_url, num_workers=workers, prefetch_factor=1, worker_timeout=60, local_cache_dir=str(tmp_path), **options
     )
