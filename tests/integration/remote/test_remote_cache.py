@@ -38,20 +38,6 @@ from image_edit_data.storage.remote import RemoteError, RemoteStore, RequestPoli
 from image_edit_data.storage.shard_cache import ShardCache
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_cache(tmp_path_factory.mktemp("src"), counts=(7, 5, 4), suffix=".safetensors")
-
-
-@pytest.fixture(scope="module")
-def packed_url(s3: dict[str, Any], source: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The source packed straight into the bucket through the command line."""
-    staging = tmp_path_factory.mktemp("staging")
-    argv = ["pack", str(source), "s3://bucket/packed", "--shard-bytes", "8192"]
-    assert cache_main([*argv, "--storage-options", json.dumps(s3), "--staging-dir", str(staging)]) == 0
-    return "s3://bucket/packed"
-
-
 def batches(cache: str | Path, workers: int, **options: Any) -> list[list[int]]:
     config = ImageEditDataloaderConfig(str(cache), num_workers=workers, prefetch_factor=1, **options)
     built = config.build(dp_rank=0, dp_world_size=1, batch_size=2)

@@ -11,36 +11,20 @@ The deadlines are short here; the defaults' bound is checked by arithmetic.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.caches import tiny_cache
 from support.fault_proxy import FAULTS, FaultProxy, fault_proxy, silent_endpoint
 
 from image_edit_data import ImageEditDataloaderConfig, ImageEditDataset, RemoteError, RequestPolicy
-from image_edit_data.preprocess.cli import cache_main
 from image_edit_data.storage.remote_reader import DOWNLOAD_WAIT
 
 SHORT = {"connect_timeout": 0.5, "read_timeout": 1.0, "attempts": 3, "deadline": 2.5, "base_delay": 0.01}
 # The longest a request may take under SHORT: its deadline, one more try started just before it, a pause.
 SHORT_BOUND = SHORT["deadline"] + SHORT["connect_timeout"] + SHORT["read_timeout"] + 1.0
 FAST_RETRIES = {"attempts": 8, "base_delay": 0.01, "max_delay": 0.05, "deadline": 30.0}
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_cache(tmp_path_factory.mktemp("src"), counts=(7, 5, 4), suffix=".safetensors")
-
-
-@pytest.fixture(scope="module")
-def packed_url(s3: dict[str, Any], source: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    staging = tmp_path_factory.mktemp("staging")
-    argv = ["pack", str(source), "s3://bucket/faults", "--shard-bytes", "8192", "--staging-dir", str(staging)]
-    assert cache_main([*argv, "--storage-options", json.dumps(s3)]) == 0
-    return "s3://bucket/faults"
 
 
 @pytest.fixture
