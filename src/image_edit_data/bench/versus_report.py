@@ -29,17 +29,24 @@ class RowSpec:
     layout: str
     epoch: str  # "cold" or "warm"
     target: float
+    endpoint: str = ""  # S3 rows: the server read from
 
 
-ROWS = (
+LOCAL_ROWS = (
     RowSpec("local files", "local", "files", "cold", 1.0),
     RowSpec("local files", "local", "files", "warm", 1.0),
     RowSpec("local packed", "local", "packed", "cold", 1.0),
     RowSpec("local packed", "local", "packed", "warm", 1.0),
-    RowSpec("S3 shard_cache", "s3", "shard_cache", "cold", 1.0),
-    RowSpec("S3 shard_cache", "s3", "shard_cache", "warm", 1.0),
-    RowSpec("S3 range", "s3", "range", "cold", RANGE_TARGET),
 )
+
+
+def s3_rows(endpoint: str) -> tuple[RowSpec, ...]:
+    """The rows read from one S3 endpoint."""
+    return (
+        RowSpec(f"S3 {endpoint} shard_cache", "s3", "shard_cache", "cold", 1.0, endpoint),
+        RowSpec(f"S3 {endpoint} shard_cache", "s3", "shard_cache", "warm", 1.0, endpoint),
+        RowSpec(f"S3 {endpoint} range", "s3", "range", "cold", RANGE_TARGET, endpoint),
+    )
 
 
 def epoch_numbers(result: Mapping[str, Any], epoch: str) -> dict[str, float] | None:
@@ -64,7 +71,9 @@ def row(spec: RowSpec, workers: int, results: Sequence[Mapping[str, Any]]) -> di
     by_round: dict[tuple[int, str], Mapping[str, Any]] = {}
     for result in results:
         m = result["measurement"]
-        if m["where"] == spec.where and m["workers"] == workers and m["layout"] in (spec.layout, "litdata"):
+        endpoint = (m.get("endpoint") or "moto") if m["where"] == "s3" else ""  # results from before endpoints: moto
+        same_place = m["where"] == spec.where and endpoint == spec.endpoint
+        if same_place and m["workers"] == workers and m["layout"] in (spec.layout, "litdata"):
             by_round[m["round"], m["system"]] = result
     pairs = []
     for (round_, system), result in sorted(by_round.items()):
@@ -84,6 +93,7 @@ def row(spec: RowSpec, workers: int, results: Sequence[Mapping[str, Any]]) -> di
     }
     return {
         "path": spec.path,
+        "endpoint": spec.endpoint,
         "layout": spec.layout,
         "epoch": spec.epoch,
         "workers": workers,
@@ -96,9 +106,12 @@ def row(spec: RowSpec, workers: int, results: Sequence[Mapping[str, Any]]) -> di
     }
 
 
-def rows(results: Sequence[Mapping[str, Any]], workers: Sequence[int]) -> list[dict[str, Any]]:
+def rows(
+    results: Sequence[Mapping[str, Any]], workers: Sequence[int], endpoints: Sequence[str] = ("moto",)
+) -> list[dict[str, Any]]:
     """Every row the results hold, in table order, each worker count in turn."""
-    found = (row(spec, w, results) for spec in ROWS for w in workers)
+    specs = LOCAL_ROWS + tuple(spec for endpoint in endpoints for spec in s3_rows(endpoint))
+    found = (row(spec, w, results) for spec in specs for w in workers)
     return [r for r in found if r is not None]
 
 
@@ -108,7 +121,7 @@ def render(table_rows: Sequence[Mapping[str, Any]], rounds: int) -> Table:
     columns: tuple[str, ...] = ("path", "epoch", "workers", "ours samples/s", "litdata samples/s", "ratio", "target")
     columns += ("", "CPU ms/sample ours", "litdata", "S3 server CPU s/epoch ours", "litdata")
     for name in columns:
-        table.add_column(name, justify="left" if name in ("path", "epoch", "") else "right")
+        table.add_column(name, justify="left" if name in ("path", "epoch", "") else "right", no_wrap=name == "path")
     for r in table_rows:
         server = (f"{r['ours_server_cpu_s']:.2f}", f"{r['litdata_server_cpu_s']:.2f}") if r["remote"] else ("", "")
         table.add_row(

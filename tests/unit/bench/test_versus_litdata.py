@@ -22,11 +22,11 @@ from image_edit_data.bench.sample_digest import our_rows
 from image_edit_data.bench.tree_cpu import tree_cpu_seconds
 from image_edit_data.bench.versus_litdata import check_digests
 from image_edit_data.bench.versus_one import Measurement
-from image_edit_data.bench.versus_report import ROWS
+from image_edit_data.bench.versus_report import LOCAL_ROWS, rows, s3_rows
 from image_edit_data.dataloader_config import ImageEditDataloaderConfig
 
 TINY_RUN = ["--samples", "16", "--rounds", "1", "--num-workers", "2", "--chunk-bytes", str(4 << 20)]
-TINY_RUN += ["--local-epochs", "2", "--s3-epochs", "2", "--verify-batches", "1"]
+TINY_RUN += ["--local-epochs", "2", "--s3-epochs", "2", "--verify-batches", "1", "--endpoints", "[rclone]"]
 
 
 def positive(value: object) -> bool:
@@ -43,11 +43,12 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
     return json.loads(out.read_text()), root / "work" / "data"
 
 
-@pytest.mark.slow  # 12 measurements, each in a fresh process, against a moto server
+@pytest.mark.slow  # 6 measurements, each in a fresh process; S3 through rclone (moto: the next test and tests/*/remote)
 def test_a_tiny_run_reports_every_row_with_positive_rates_and_ratios(tiny_run: tuple[dict[str, Any], Path]) -> None:
     numbers, _ = tiny_run
-    found = {(r["layout"], r["epoch"], r["workers"]) for r in numbers["rows"]}
-    assert found == {(spec.layout, spec.epoch, 2) for spec in ROWS}  # 0 workers: the same code, minus the pool
+    found = {(r["endpoint"], r["layout"], r["epoch"], r["workers"]) for r in numbers["rows"]}
+    specs = LOCAL_ROWS + s3_rows("rclone")
+    assert found == {(spec.endpoint, spec.layout, spec.epoch, 2) for spec in specs}  # 0 workers: the same code
     for row in numbers["rows"]:
         rates = (
             row["ours_samples_s"],
@@ -85,6 +86,20 @@ def test_both_loaders_hand_out_the_same_tensors_for_the_same_samples(tiny_run: t
         got = ours[int(item["sample"])]
         assert [t.dtype for t in got] == [t.dtype for t in expected]
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), f"sample {item['sample']} differs"
+
+
+def test_rows_pair_each_endpoints_measurements_with_litdata_on_the_same_endpoint() -> None:
+    def result(system: str, layout: str, endpoint: str, rate: float) -> dict[str, Any]:
+        m = {"system": system, "layout": layout, "where": "s3", "endpoint": endpoint, "workers": 0, "round": 0}
+        epoch = {"samples": 100, "seconds": 100 / rate, "cpu_seconds": 1.0, "server_cpu_seconds": 0.5}
+        return {"measurement": m, "epochs": [epoch]}
+
+    results = [result("ours", "range", "moto", 50), result("litdata", "litdata", "moto", 100)]
+    results += [result("ours", "range", "rclone", 90), result("litdata", "litdata", "rclone", 60)]
+    found = {r["path"]: (r["ratio"], r["verdict"]) for r in rows(results, [0], ["moto", "rclone"])}
+    assert found == {"S3 moto range": (0.5, "BELOW"), "S3 rclone range": (1.5, "PASS")}
+    older = [{**r, "measurement": {k: v for k, v in r["measurement"].items() if k != "endpoint"}} for r in results[:2]]
+    assert [r["path"] for r in rows(older, [0])] == ["S3 moto range"]  # JSON from before endpoints: all on moto
 
 
 def test_a_measurement_that_read_other_bytes_stops_the_run() -> None:
