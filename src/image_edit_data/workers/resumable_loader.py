@@ -225,9 +225,10 @@ class ResumableDataLoader(StatefulDataLoader):
             self.batch_sampler.load_state_dict(sampler_state_of(state_dict))  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """Shut this loader's worker pool down now (its processes are gone on return) and stop its prefetching.
+        """Shut this loader's worker pool down now (its processes are gone on return), stop its prefetching and
+        close the files its dataset opened in this process (with 0 workers, the cached shards it read).
 
-        The next pass starts a new pool.
+        The next pass starts a new pool, and the dataset reopens what it reads.
         """
         current = self._pass_in_progress() if self._pass_in_progress is not None else None
         if current is not None:
@@ -235,6 +236,9 @@ class ResumableDataLoader(StatefulDataLoader):
         self._pass_in_progress = None
         self._end_pool()
         self.batch_sampler.close()  # type: ignore[union-attr]
+        close_files = getattr(self.dataset, "close", None)
+        if callable(close_files):
+            close_files()
 
 
 def children_since(existing: Set[int | None]) -> list[BaseProcess]:

@@ -42,15 +42,27 @@ def descriptors() -> list[str]:
 
 def resources(others: set[int]) -> dict[str, int]:
     """What this process holds besides the processes `others`; collected garbage first, so that only what
-    something still holds counts."""
+    something still holds counts.
+
+    Cached shards the running loader reads are counted apart: it keeps one descriptor per shard it
+    has read from the shard cache, so their number depends on which downloads finished before the
+    reads (a shard not yet cached is read by range instead), not on earlier loaders.
+    """
     gc.collect()
     open_files = descriptors()
+    shard_files = sum(is_cached_shard(target) for target in open_files)
     return {
-        "open files": len(open_files),
+        "open files": len(open_files) - shard_files,
+        "cached shards open": shard_files,
         "threads": len(os.listdir("/proc/self/task")),
         "worker processes": len(worker_processes() - others),
         "shard pins": sum(target.endswith(".pin") for target in open_files),  # the pins' lock files
     }
+
+
+def is_cached_shard(target: str) -> bool:
+    """Whether a descriptor's target is a shard in a node-local shard cache."""
+    return target.endswith(".tar") and Path(target).parent.name == "shards"
 
 
 class Counts(pl.Callback):
@@ -106,9 +118,12 @@ def test_twenty_loader_rebuilds_hold_what_the_first_held_and_the_fit_leaves_no_w
     )
     trainer.fit(RecordingModel(str(tmp_path)), datamodule=data)
     first, last = counts.by_epoch[1], counts.by_epoch[REBUILDS]
+    held_by_one_loader = max(c.pop("cached shards open") for c in counts.by_epoch)
     assert last == first, f"after the first rebuild {first}, after {REBUILDS}: {last}"
     assert first["worker processes"] == workers
     if where != "local":
         assert first["shard pins"] > before["shard pins"]  # the prefetcher ran
+        assert held_by_one_loader <= 4  # one loader's shards, at most the 4 the budget holds; none of earlier loaders
     after = resources(others)
     assert (after["worker processes"], after["shard pins"]) == (0, before["shard pins"])
+    assert after["cached shards open"] == before["cached shards open"]  # the last loader's closed with it
