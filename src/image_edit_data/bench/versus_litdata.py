@@ -201,8 +201,10 @@ def versus_litdata(args: Any, root: Path, console: Console) -> dict[str, Any]:
     with ExitStack() as servers:
         remotes = []
         for endpoint in [] if args.only == "local" else args.endpoints:
-            folder = root / f"{endpoint}-buckets"  # rclone's buckets (moto keeps its own in memory)
-            folder.mkdir(exist_ok=True)
+            folder = None  # moto keeps its buckets in memory; rclone serves a folder's directories
+            if endpoint == "rclone":
+                folder = root / "rclone-buckets"
+                folder.mkdir(exist_ok=True)
             server = servers.enter_context(local_s3(endpoint=endpoint, folder=folder))
             remotes.append(upload_copies(local, args.chunk_bytes, server, endpoint, root / "staging"))
         results = run_rounds(args, local, remotes, scratch, console)

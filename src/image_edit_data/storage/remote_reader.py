@@ -183,7 +183,8 @@ class RemotePackedReader(PayloadReader):
         return open_payload(f"/proc/self/fd/{descriptor}", display, (descriptor, info), (0, len(data)))
 
     def shard_bytes(self, number: int) -> bytes:
-        return self.store.read_all(self.index.shards[number].path)
+        shard = self.index.shards[number]
+        return self.store.read_all(shard.path, shard.nbytes)
 
     def close(self) -> None:
         if self.shard_cache is not None:

