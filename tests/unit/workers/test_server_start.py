@@ -33,6 +33,15 @@ def children() -> list[str]:
 
 def servers() -> int:
     return sum("multiprocessing.forkserver" in command for command in children())
+
+def servers_soon() -> int:
+    # A server is a child from the moment it starts, but its command line names the fork server only
+    # once it has exec'd, which a loaded machine can delay: look for it for a few seconds.
+    import time
+    deadline = time.monotonic() + 10
+    while servers() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return servers()
 """
 
 OPEN = """
@@ -41,7 +50,7 @@ from image_edit_data import ImageEditDataloaderConfig
 
 workers = int(sys.argv[2])
 ImageEditDataloaderConfig(cache_dir=sys.argv[1], num_workers=workers).open_dataset()
-print(servers())
+print(servers_soon() if workers else servers())
 """
 
 DATAMODULE = """
@@ -51,7 +60,7 @@ from image_edit_data.lightning import ImageEditDataModule
 ImageEditDataModule(cache_dir=sys.argv[1], num_workers=0)
 print(servers())
 ImageEditDataModule(cache_dir=sys.argv[1], num_workers=2)
-print(servers())
+print(servers_soon())
 """
 
 # What a process forked by the server finds: its imports, and how many objects it inherited frozen.
