@@ -34,9 +34,14 @@ def flip_member_byte(root: Path, sample: int) -> tuple[str, str, str, str]:
 
 
 def drop_checksums(read: Callable[[str], bytes], write: Callable[[str, bytes], object]) -> None:
-    """Rewrite a packed cache's index files (read and written by name) as they were before member checksums."""
+    """Rewrite a packed cache's index files (read and written by name) as they were before member checksums.
+
+    The shards' XXH3-128 (which came later) goes too: such a cache has only the SHA-256 of each shard.
+    """
     manifest = json.loads(read("metadata.json"))
     manifest.pop("member_checksum", None)
+    for shard in manifest["packed_shards"]:
+        shard.pop("xxh3_128", None)
     write("metadata.json", json.dumps(manifest, indent=2).encode())
     for name in manifest["shards"]:
         records = json.loads(read(name))

@@ -1,4 +1,4 @@
-"""Node-local verdicts on remote shards that failed their size or SHA-256 check on download.
+"""Node-local verdicts on remote shards that failed their size or hash check on download.
 
 A verdict is a small JSON file `<sha256>.damaged` in the shard cache directory, named like the
 cached shard by the hash the manifest gives (a repacked cache's new shard is a different file),
@@ -21,7 +21,7 @@ SUFFIX = ".damaged"
 
 @dataclass(frozen=True)
 class Verdict:
-    """What a download found wrong with a shard: its size (`bytes`) or its hash (`sha256`), found against expected."""
+    """What a download found wrong with a shard: its size (`bytes`) or hash (`xxh3_128`, `sha256`), found, expected."""
 
     field: str
     found: str

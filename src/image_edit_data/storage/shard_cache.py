@@ -5,12 +5,13 @@ Layout of the cache directory (one per remote cache URL):
 <sha256>.tar           a complete, verified shard (named by its hash: a replaced shard is never mistaken)
 .<sha256>.<pid>.tmp    a download in progress, allocated to its full size up front so the budget counts it
 <sha256>.pin           lock file: a shared flock on it pins the shard against eviction
-<sha256>.damaged       verdict: the download failed its size or SHA-256 check (storage/damaged.py)
+<sha256>.damaged       verdict: the download failed its size or hash check (storage/damaged.py)
 .lock                  lock file serialising budget decisions between processes
 ```
-A shard appears only by `os.replace` after its size and SHA-256 were checked, so a reader never
-sees half of one; a failed or killed download leaves at most its temporary file, which the next
-process to open the cache removes once its owner is gone. A shard that fails the check is marked
+A shard appears only by `os.replace` after its size and hash were checked (XXH3-128 when the
+manifest has it, else SHA-256: index/packed.py), so a reader never sees half of one; a failed or
+killed download leaves at most its temporary file, which the next process to open the cache
+removes once its owner is gone. A shard that fails the check is marked
 damaged for the whole node before its temporary file goes, and is never downloaded again.
 Eviction removes the least recently used complete shards that nobody pins; a process that already
 opened a shard keeps reading it after eviction (POSIX keeps unlinked open files).
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 import threading
@@ -198,7 +198,7 @@ class ShardCache:
             return self.local_path(number).exists()
         shard = self.shards[number]
         try:
-            digest = hashlib.sha256()
+            field, expected, digest = shard.whole_check()
             with open(temporary, "r+b") as stream:
 
                 def write(piece: bytes) -> None:
@@ -208,8 +208,8 @@ class ShardCache:
                 size = self.store.download(shard.path, write, shard.nbytes)
                 if size != shard.nbytes:
                     self.refuse(number, Verdict("bytes", str(size), str(shard.nbytes)), "truncated or replaced")
-                if digest.hexdigest() != shard.sha256:
-                    self.refuse(number, Verdict("sha256", digest.hexdigest(), shard.sha256), "damaged or replaced")
+                if digest.hexdigest() != expected:
+                    self.refuse(number, Verdict(field, digest.hexdigest(), expected), "damaged or replaced")
                 stream.flush()
                 os.fsync(stream.fileno())
             with self.directory_lock():  # a rename seen half-done by a budget count would miss the shard

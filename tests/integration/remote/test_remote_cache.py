@@ -127,7 +127,8 @@ def test_a_truncated_or_replaced_shard_is_refused_and_leaves_nothing_in_the_loca
     cache = ShardCache(reader.store, index.shards, tmp_path / "shards", 10 * 10240)
     with pytest.raises(ValueError, match=rf"{url}/{first.path}: bytes: shard is 700 bytes"):
         cache.fetch(0)
-    with pytest.raises(ValueError, match=rf"{url}/{second.path}: sha256: shard hashes to"):
+    assert second.xxh3_128 is not None  # packed now: downloads check the XXH3-128, not the slower SHA-256
+    with pytest.raises(ValueError, match=rf"{url}/{second.path}: xxh3_128: shard hashes to [0-9a-f]{{32}}, .* says"):
         cache.fetch(1)
     left = sorted(p.name for p in (tmp_path / "shards").iterdir() if p.suffix != ".pin")
     assert left == sorted([".lock", f"{first.sha256}.damaged", f"{second.sha256}.damaged"])  # verdicts, no bytes
@@ -363,7 +364,7 @@ def test_a_damaged_shard_is_marked_for_the_node_and_its_damaged_member_is_not_se
     cache, shard = reader.shard_cache, index.shards[0]
     victim, neighbour = two_in_shard(index, 0)
     display, recorded, found, _ = damage_member(s3, url, index, victim)
-    with pytest.raises(ValueError, match=rf"{url}/{shard.path}: sha256: .* the manifest says {shard.sha256} .*"):
+    with pytest.raises(ValueError, match=rf"{url}/{shard.path}: xxh3_128: .* the manifest says {shard.xxh3_128} .*"):
         cache.fetch(0)  # what the prefetcher does first
     assert not cache.local_path(0).exists() and (cache.directory / f"{shard.sha256}.damaged").is_file()
     requests = reader.store.stats.requests

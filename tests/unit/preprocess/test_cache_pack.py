@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import re
@@ -82,6 +83,24 @@ def test_a_killed_pack_resumes_and_writes_the_same_shards(source: Path, packed: 
         pack_cache(source, str(out), shard_bytes=8192)
 
 
+def test_the_manifest_records_each_shard_s_sha256_and_xxh3_128(packed: Path) -> None:
+    entries = json.loads((packed / "metadata.json").read_text())["packed_shards"]
+    for entry, shard in zip(entries, open_index(packed, use_store=False).shards, strict=True):
+        data = (packed / entry["path"]).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest() == shard.sha256
+        assert entry["xxh3_128"] == xxhash.xxh3_128_hexdigest(data) == shard.xxh3_128
+
+
+def test_a_manifest_with_a_malformed_shard_xxh3_128_is_refused_naming_the_field(packed: Path, tmp_path: Path) -> None:
+    copy = copy_cache(packed, tmp_path / "copy")
+    manifest = json.loads((copy / "metadata.json").read_text())
+    manifest["packed_shards"][1]["xxh3_128"] = "ABC"
+    (copy / "metadata.json").write_text(json.dumps(manifest))
+    expected = r"metadata.json: packed_shards\[1\].xxh3_128: expected 32 lowercase hex"
+    with pytest.raises(CacheFormatError, match=expected):
+        open_index(copy, use_store=False)
+
+
 def test_a_rerun_with_another_shard_size_is_refused(source: Path, tmp_path: Path) -> None:
     (tmp_path / "cache" / "progress").mkdir(parents=True)
     (tmp_path / "cache" / "progress" / "pack-settings.json").write_text(
@@ -119,6 +138,7 @@ def test_validate_reports_a_shard_whose_hash_does_not_match(
     assert cache_main(["validate", str(copy)]) == 1
     shown = capsys.readouterr().out
     assert "0 of 16 samples are bad" in shown and "b0000-000000.tar: sha256: shard hashes to" in shown
+    assert "b0000-000000.tar: xxh3_128: shard hashes to" in shown  # what downloads check, checked here too
     assert cache_main(["inspect", str(copy)]) == 0
     assert "packed: " in capsys.readouterr().out
 
@@ -279,7 +299,9 @@ def test_a_cache_packed_before_checksums_reads_as_before_and_validate_says_it_ha
     same_samples(ImageEditDataset(packed), dataset)
     pack_cache(old, str(tmp_path / "repacked"), shard_bytes=8192)  # adds the checksums
     repacked = ImageEditDataset(tmp_path / "repacked")
-    assert repacked.index.member_checksum is not None and repacked.index.shards == dataset.index.shards
+    assert repacked.index.member_checksum is not None
+    assert [dataclasses.replace(s, xxh3_128=None) for s in repacked.index.shards] == list(dataset.index.shards)
+    assert all(s.xxh3_128 is not None for s in repacked.index.shards)
     # Checksums are not part of the data fingerprint: a run on the old cache resumes on its repack.
     assert repacked.index.fingerprint == dataset.index.fingerprint
     assert cache_main(["validate", str(old)]) == 0

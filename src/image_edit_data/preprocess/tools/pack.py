@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ..._atomic import atomic_writer, write_text_atomic
 from ...dataset import ImageEditDataset
 from ...index.index import MANIFEST
@@ -34,6 +36,7 @@ from ...index.packed import (
     CHECKSUM_KEY,
     LAYOUT,
     LAYOUT_KEY,
+    SHARD_CHECKSUM,
     SHARDS_KEY,
     ShardInfo,
     check_member_bytes,
@@ -124,13 +127,14 @@ def canonical(data: bytes) -> bytes:
     return data[:8] + text.ljust(length, b" ") + data[8 + length :]
 
 
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in 8 MiB pieces."""
-    digest = hashlib.sha256()
+def file_digests(path: Path) -> dict[str, str]:
+    """A shard's manifest hashes, SHA-256 and XXH3-128, from one read in 8 MiB pieces."""
+    digests: dict[str, Any] = {"sha256": hashlib.sha256(), SHARD_CHECKSUM: xxhash.xxh3_128()}
     with path.open("rb") as stream:
         while piece := stream.read(8 << 20):
-            digest.update(piece)
-    return digest.hexdigest()
+            for digest in digests.values():
+                digest.update(piece)
+    return {field: digest.hexdigest() for field, digest in digests.items()}
 
 
 def verify_written(path: Path, members: list[dict[str, Any]], names: list[str]) -> None:
@@ -197,7 +201,7 @@ class Packer:
             "shard": number,
             "path": relative,
             "bytes": target.stat().st_size,
-            "sha256": file_sha256(target),
+            **file_digests(target),
             "members": placed,
         }
 
@@ -237,7 +241,7 @@ def index_files(dataset: ImageEditDataset, entries: list[dict[str, Any]], source
     records: list[dict[str, Any] | None] = [None] * len(dataset)
     shards = []
     for entry in entries:
-        shards.append(ShardInfo(entry["path"], int(entry["bytes"]), entry["sha256"]))
+        shards.append(ShardInfo(entry["path"], int(entry["bytes"]), entry["sha256"], entry.get(SHARD_CHECKSUM)))
         for member in entry["members"]:
             records[member["position"]] = {
                 **member["record"],

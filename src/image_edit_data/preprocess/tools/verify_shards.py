@@ -1,8 +1,9 @@
-"""Whole-shard checks of a packed cache for `cache validate`: size, SHA-256 and each member's tar header.
+"""Whole-shard checks of a packed cache for `cache validate`: size, hashes and each member's tar header.
 
-Training never scans a shard; validation does, once: it hashes every shard and reads the tar
-header block in front of each member, which must name the member and its length. A member name
-that is absolute or climbs out with `..` is reported, so extracting a shard with `tar` stays safe.
+Training never scans a shard; validation does, once: it hashes every shard (SHA-256, and XXH3-128
+when the manifest has it: downloads check that one) and reads the tar header block in front of
+each member, which must name the member and its length. A member name that is absolute or climbs
+out with `..` is reported, so extracting a shard with `tar` stays safe.
 Member checksums are checked when `cache validate` loads each sample through the reader, as in
 training (storage/reader.py), so they are not hashed a second time here.
 """
@@ -13,8 +14,12 @@ import hashlib
 import posixpath
 import tarfile
 from dataclasses import dataclass
+from typing import Any
+
+import xxhash
 
 from ...index.index import CacheIndex
+from ...index.packed import SHARD_CHECKSUM, ShardInfo
 from ...storage.reader import PayloadReader
 
 
@@ -25,6 +30,14 @@ class ShardProblem:
     file: str
     field: str
     reason: str
+
+
+def whole_checks(shard: ShardInfo) -> list[tuple[str, str, Any]]:
+    """Every hash the manifest gives for `shard`: (field, expected hex digest, a fresh hasher)."""
+    checks: list[tuple[str, str, Any]] = [("sha256", shard.sha256, hashlib.sha256())]
+    if shard.xxh3_128 is not None:
+        checks.append((SHARD_CHECKSUM, shard.xxh3_128, xxhash.xxh3_128()))
+    return checks
 
 
 def safe_member_name(name: str) -> bool:
@@ -51,10 +64,11 @@ def check_shards(reader: PayloadReader) -> list[ShardProblem]:
             reason = f"shard is {len(data)} bytes, the manifest says {shard.nbytes}"
             problems.append(ShardProblem(where, "bytes", reason))
             continue
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != shard.sha256:
-            reason = f"shard hashes to {digest}, the manifest says {shard.sha256}"
-            problems.append(ShardProblem(where, "sha256", reason))
+        for field, expected, digest in whole_checks(shard):
+            digest.update(data)
+            if digest.hexdigest() != expected:
+                reason = f"shard hashes to {digest.hexdigest()}, the manifest says {expected}"
+                problems.append(ShardProblem(where, field, reason))
         for i in members.get(number, []):
             problems.extend(check_member(index, i, data, where))
     return problems
