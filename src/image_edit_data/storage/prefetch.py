@@ -38,7 +38,7 @@ class PlannedSampler(Protocol):
 class ShardPrefetcher:
     """Keeps the shards of the coming batches in the local shard cache."""
 
-    def __init__(self, cache: ShardCache, member_shard: np.ndarray, ahead: int = 8, behind: int = 8, threads: int = 2):
+    def __init__(self, cache: ShardCache, member_shard: np.ndarray, ahead: int = 8, behind: int = 8, threads: int = 4):
         self.cache = cache
         self.member_shard = member_shard
         self.ahead = ahead

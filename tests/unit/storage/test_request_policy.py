@@ -21,12 +21,19 @@ def test_a_mixture_source_sets_its_own_policy_and_the_others_take_the_configs() 
     assert ImageEditDataloaderConfig("s3://bucket/a").location().requests == RequestPolicy()
 
 
-def test_the_s3_client_gets_the_deadlines_and_no_retries_of_its_own_unless_the_user_set_them() -> None:
+def test_the_s3_client_gets_the_deadlines_and_no_retries_or_crc_of_its_own_unless_the_user_set_them() -> None:
     policy = RequestPolicy(connect_timeout=2.0, read_timeout=3.0)
     ours = client_options("s3", {"endpoint_url": "http://127.0.0.1:9"}, policy)["config_kwargs"]
-    assert ours == {"connect_timeout": 2.0, "read_timeout": 3.0, "retries": {"total_max_attempts": 1}}
-    theirs = client_options("s3", {"config_kwargs": {"read_timeout": 60}}, policy)["config_kwargs"]
+    assert ours == {
+        "connect_timeout": 2.0,
+        "read_timeout": 3.0,
+        "retries": {"total_max_attempts": 1},
+        "response_checksum_validation": "when_required",  # our hashes check every byte; the CRC would again
+    }
+    user = {"read_timeout": 60, "response_checksum_validation": "when_supported"}
+    theirs = client_options("s3", {"config_kwargs": user}, policy)["config_kwargs"]
     assert theirs["read_timeout"] == 60 and theirs["connect_timeout"] == 2.0
+    assert theirs["response_checksum_validation"] == "when_supported"
     assert "config_kwargs" not in client_options("gs", {}, policy)
 
 

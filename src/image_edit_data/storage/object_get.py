@@ -1,0 +1,159 @@
+"""Whole-object GETs from S3 through obstore (a Rust object-store client), for shard downloads.
+
+A 32 MiB shard costs the client about half the CPU through obstore that it costs through s3fs,
+whose aiohttp body loop runs in Python and holds the GIL the training thread needs
+(docs/performance-remote.md measures both). obstore is used only where it reaches the same object
+with the same identity s3fs would: an S3 URL, storage options that name nothing but keys (or
+`anon`), an endpoint and a region, and a region or endpoint known without asking the bucket.
+Credentials come from the options, else from botocore's own chain (environment, profile, SSO,
+instance role), as s3fs gets them. Any other option (a profile name, TLS settings, botocore
+config) keeps every request on s3fs. Deadlines and retries stay `RemoteStore.call`'s: obstore's
+own retries are off, and each try is bounded by the timeout `call` gives it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # obstore's typed dicts exist for type checkers only
+    from obstore.store import ClientConfig, S3Config, S3Credential, S3CredentialProvider
+
+S3_PROTOCOLS = ("s3", "s3a")  # as in remote.py, which imports this module
+KEYS = frozenset({"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs"})
+CLIENT_KEYS = frozenset({"endpoint_url", "region_name"})
+# botocore settings obstore matches: ours (deadlines come from the policy, the CRC check is off anyway).
+CONFIG = {"response_checksum_validation": "when_required"}
+REFRESH = datetime.timedelta(minutes=5)  # how long obstore keeps credentials from a refreshing source
+
+
+@dataclass(frozen=True)
+class ObjectGetSettings:
+    """Where and as whom obstore reads a cache's bucket (picklable: the store is made in each process)."""
+
+    bucket: str
+    region: str
+    endpoint: str | None
+    anonymous: bool
+    credentials: tuple[str, str, str | None] | None  # (key, secret, token) from the options; None: botocore's chain
+
+
+def object_get_settings(url: str, storage_options: Mapping[str, Any]) -> ObjectGetSettings | None:
+    """obstore settings reaching `url`'s bucket as s3fs would with `storage_options`; None when they may not."""
+    protocol, _, rest = url.partition("://")
+    if protocol not in S3_PROTOCOLS or set(storage_options) - KEYS:
+        return None
+    client = dict(storage_options.get("client_kwargs") or {})
+    config = dict(storage_options.get("config_kwargs") or {})
+    if set(client) - CLIENT_KEYS or any(CONFIG.get(name) != value for name, value in config.items()):
+        return None
+    endpoint = storage_options.get("endpoint_url") or client.get("endpoint_url")
+    region = client.get("region_name") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region is None and endpoint is None:
+        return None  # s3fs would find the bucket's region by following S3's redirects; obstore does not
+    key, secret, token = (storage_options.get(name) for name in ("key", "secret", "token"))
+    anonymous = bool(storage_options.get("anon", False))
+    if (key is None) != (secret is None):
+        return None  # half a key pair: s3fs's error to give
+    credentials = (str(key), str(secret), None if token is None else str(token)) if key is not None else None
+    bucket = rest.split("/", 1)[0]
+    return ObjectGetSettings(bucket, str(region or "us-east-1"), endpoint and str(endpoint), anonymous, credentials)
+
+
+def object_get_available() -> bool:
+    """Whether obstore is installed (the `remote` extra brings it; without it every request goes through s3fs)."""
+    return importlib.util.find_spec("obstore") is not None
+
+
+def object_key(url: str) -> str:
+    """The key of an object URL within its bucket."""
+    return url.partition("://")[2].split("/", 1)[1]
+
+
+def make_store(settings: ObjectGetSettings, timeout: float, connect_timeout: float) -> Any:
+    """An obstore S3 store for `settings`, its own retries off and each request bounded by `timeout` seconds."""
+    from obstore.store import S3Store
+
+    client: ClientConfig = {
+        "connect_timeout": datetime.timedelta(seconds=connect_timeout),
+        "timeout": datetime.timedelta(seconds=timeout),
+    }
+    config: S3Config = {"region": settings.region}
+    if settings.endpoint is not None:
+        config["endpoint"] = settings.endpoint
+        client["allow_http"] = settings.endpoint.startswith("http://")
+    provider = None
+    if settings.anonymous:
+        config["skip_signature"] = True
+    else:
+        provider = credential_provider(settings.credentials)
+    return S3Store(
+        settings.bucket,
+        config=config,
+        client_options=client,
+        retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=timeout)},
+        credential_provider=provider,
+    )
+
+
+def credential_provider(given: tuple[str, str, str | None] | None) -> S3CredentialProvider:
+    """Credentials for obstore: the options' keys, or botocore's chain (refreshed every few minutes)."""
+    if given is not None:
+        key, secret, token = given
+
+        def fixed() -> S3Credential:
+            return {"access_key_id": key, "secret_access_key": secret, "token": token, "expires_at": None}
+
+        return fixed
+    import botocore.session  # s3fs's own dependency, through aiobotocore
+
+    found = botocore.session.get_session().get_credentials()
+    if found is None:
+        raise PermissionError("no AWS credentials found (environment, profile, SSO or instance role)")
+
+    def chained() -> S3Credential:
+        frozen = found.get_frozen_credentials()
+        expires = datetime.datetime.now(datetime.timezone.utc) + REFRESH
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": expires,
+        }
+
+    return chained
+
+
+def runtime_usable() -> bool:
+    """Whether obstore may run in this process: not a fork of one whose obstore runtime had started.
+
+    obstore's requests run on a runtime of Rust threads that a forked child does not inherit, so
+    a request there would wait for threads that do not exist (seen: a 46 s hang to the deadline).
+    Such a child sends its requests through s3fs instead; a process that never started the runtime
+    before forking leaves its children free to use obstore.
+    """
+    return _runtime_pid is None or _runtime_pid == os.getpid()
+
+
+_runtime_pid: int | None = None  # the process whose obstore runtime has started
+
+
+def get_object(store: Any, url: str) -> Any:
+    """The whole object at `url` as a buffer; obstore's not-found and access errors as Python's own."""
+    global _runtime_pid
+    import obstore
+    from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+
+    if not runtime_usable():
+        raise RuntimeError("obstore cannot run in a process forked after it started (use s3fs here)")
+    _runtime_pid = os.getpid()
+    try:
+        return obstore.get(store, object_key(url)).bytes()
+    except NotFoundError as error:
+        raise FileNotFoundError(str(error)) from error
+    except (PermissionDeniedError, UnauthenticatedError) as error:
+        raise PermissionError(str(error)) from error
