@@ -1,18 +1,19 @@
-"""Client CPU and wall time per S3 request: s3fs (our client) against obstore (litdata's), on moto.
+"""Client CPU and wall time per S3 request: s3fs and obstore as the read path runs them, on moto.
 
 Usage: python scripts/bench_s3_client.py [--requests 200] [--rounds 2]
 
 Puts one 32 MiB object (a packed shard's size) on moto's server on 127.0.0.1 (dummy credentials), then
 per round and client, alternating: `--requests` ranged GETs of 0.9 MB (one sample of the `small`
 preset, as `range` mode reads it), one at a time, and five whole-object GETs (as the shard cache
-downloads a shard). Prints wall time and this process's CPU per request. Both clients have their
-own retries off, as the read path runs them. Needs the `remote` extra and obstore (`pip install obstore`).
+downloads a shard). Prints wall time and this process's CPU per request. The clients: s3fs with the
+options `RemoteStore` gives it (botocore's retries and response CRC off), s3fs with botocore's CRC
+check on (its default), and obstore's store as `storage/object_get.py` makes it (whole GETs only, as
+the read path uses it; a buffer, not copied). Needs the `remote` extra.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import random
 import resource
@@ -31,30 +32,27 @@ def process_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def clients(options: dict[str, Any]) -> dict[str, tuple[Callable[[int, int], bytes], Callable[[], bytes]]]:
-    """Per client: (ranged GET of [start, end), whole-object GET)."""
-    import obstore
-    import s3fs
-    from obstore.store import S3Store
+def clients(options: dict[str, Any]) -> dict[str, tuple[Callable[[int, int], bytes] | None, Callable[[], Any]]]:
+    """Per client: (ranged GET of [start, end) or None, whole-object GET)."""
+    import fsspec
 
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={"retries": {"total_max_attempts": 1}}, **options)
-    fs.retries = 1
-    store = S3Store(
-        BUCKET,
-        endpoint=options["endpoint_url"],
-        access_key_id=options["key"],
-        secret_access_key=options["secret"],
-        region="us-east-1",
-        client_options={"allow_http": True},
-        retry_config={"max_retries": 0, "backoff": {}, "retry_timeout": datetime.timedelta(seconds=30)},
-    )
+    from image_edit_data.storage.object_get import get_object, make_store, object_get_settings
+    from image_edit_data.storage.remote import RequestPolicy, client_options
+
+    policy = RequestPolicy()
+    ours = fsspec.filesystem("s3", skip_instance_cache=True, **client_options("s3", options, policy))
+    crc = {**options, "config_kwargs": {"response_checksum_validation": "when_supported"}}
+    with_crc = fsspec.filesystem("s3", skip_instance_cache=True, **client_options("s3", crc, policy))
+    for fs in (ours, with_crc):
+        fs.retries = 1
+    settings = object_get_settings(f"s3://{BUCKET}", options)
+    assert settings is not None, "the test endpoint's options map onto obstore"
+    store = make_store(settings, policy.try_timeout + 60, policy.connect_timeout)
     path = f"{BUCKET}/{KEY}"
     return {
-        "s3fs": (lambda s, e: fs.cat_file(path, start=s, end=e), lambda: fs.cat_file(path)),
-        "obstore": (
-            lambda s, e: bytes(obstore.get_range(store, KEY, start=s, end=e)),
-            lambda: bytes(obstore.get(store, KEY).bytes()),
-        ),
+        "s3fs": (lambda s, e: ours.cat_file(path, start=s, end=e), lambda: ours.cat_file(path)),
+        "s3fs+crc": (None, lambda: with_crc.cat_file(path)),
+        "obstore": (None, lambda: get_object(store, f"s3://{path}")),
     }
 
 
@@ -66,16 +64,19 @@ def measure(requests: int, rounds: int) -> None:
 
         s3fs.S3FileSystem(skip_instance_cache=True, **options).pipe_file(f"{BUCKET}/{KEY}", os.urandom(OBJECT_BYTES))
         reads = clients(options)
-        for ranged, _ in reads.values():  # both clients connected before any clock
-            ranged(0, 1)
+        for _, whole in reads.values():  # every client connected before any clock
+            whole()
         starts = [random.randrange(OBJECT_BYTES - SAMPLE_BYTES) for _ in range(requests)]
         for number in range(rounds):
             for name, (ranged, whole) in reads.items() if number % 2 == 0 else reversed(reads.items()):
-                cpu, clock = process_cpu(), time.perf_counter()
-                for start in starts:
-                    assert len(ranged(start, start + SAMPLE_BYTES)) == SAMPLE_BYTES
-                wall, used = (time.perf_counter() - clock) / requests, (process_cpu() - cpu) / requests
-                print(f"round {number} {name:8s} ranged 0.9 MB: {wall * 1e3:6.2f} ms wall, {used * 1e3:5.2f} ms CPU")
+                if ranged is not None:
+                    cpu, clock = process_cpu(), time.perf_counter()
+                    for start in starts:
+                        assert len(ranged(start, start + SAMPLE_BYTES)) == SAMPLE_BYTES
+                    wall, used = (time.perf_counter() - clock) / requests, (process_cpu() - cpu) / requests
+                    print(
+                        f"round {number} {name:8s} ranged 0.9 MB: {wall * 1e3:6.2f} ms wall, {used * 1e3:5.2f} ms CPU"
+                    )
                 cpu, clock = process_cpu(), time.perf_counter()
                 for _ in range(WHOLE_GETS):
                     assert len(whole()) == OBJECT_BYTES
