@@ -4,7 +4,8 @@ A `RemoteStore` is what a dataset holds for a cache at a URL (`s3://`, `gs://`, 
 `file://`, ...). It pickles without its filesystem and creates a fresh one the first time it is
 used in each process: an s3fs client inherited through `fork` shares its parent's event loop and
 connection pool and can hang, so a worker never touches the parent's client. fsspec's instance
-cache is skipped for the same reason.
+cache is skipped for the same reason. On S3, whole-shard downloads go through obstore instead where
+it reaches the bucket as s3fs would (`object_get.py`), its store likewise made in each process.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Layout of the cache directory (one per remote cache URL):
 A shard appears only by `os.replace` after its size and hash were checked (XXH3-128 when the
 manifest has it, else SHA-256: index/packed.py), so a reader never sees half of one; a failed or
 killed download leaves at most its temporary file, which the next process to open the cache
-removes once its owner is gone. A shard that fails the check is marked
-damaged for the whole node before its temporary file goes, and is never downloaded again.
+removes once its owner is gone. A shard that fails the check is marked damaged for the whole node
+before its temporary file goes, and is never downloaded again.
 Eviction removes the least recently used complete shards that nobody pins; a process that already
 opened a shard keeps reading it after eviction (POSIX keeps unlinked open files).
 """
