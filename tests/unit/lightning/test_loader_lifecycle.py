@@ -3,8 +3,9 @@
 A fit with `reload_dataloaders_every_n_epochs=1` asks the data module for a new training loader
 every epoch; each replaced loader is closed, so after 20 rebuilds this process holds as many open
 files, worker processes and shard pins as after the first, threads within the few that downloads in
-flight come and go with, and none of the workers or pins once the fit has ended. Run on a local cache and on a packed cache in S3 (moto on 127.0.0.1) read
-through the shard cache, whose prefetcher has download threads and pins.
+flight come and go with, and none of the workers or pins once the fit has ended. Run on a local
+cache and on a packed cache in S3 (moto on 127.0.0.1) read through the shard cache, whose
+prefetcher has download threads and pins.
 """
 
 from __future__ import annotations
