@@ -11,13 +11,16 @@ from typing import IO
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | Path, mode: str = "wb") -> Iterator[IO]:
-    """Open a hidden temporary file beside `path`; on success fsync it and rename it over `path`."""
+def atomic_writer(path: str | Path, mode: str = "wb", buffering: int = -1) -> Iterator[IO]:
+    """Open a hidden temporary file beside `path`; on success fsync it and rename it over `path`.
+
+    `buffering` is `open`'s: the stream's buffer size in bytes (-1: Python's default, 8 KiB).
+    """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        with os.fdopen(handle, mode) as stream:
+        with os.fdopen(handle, mode, buffering) as stream:
             yield stream
             stream.flush()
             os.fsync(stream.fileno())

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import re
 import tarfile
 from pathlib import Path
@@ -99,6 +100,33 @@ def test_a_manifest_with_a_malformed_shard_xxh3_128_is_refused_naming_the_field(
     expected = r"metadata.json: packed_shards\[1\].xxh3_128: expected 32 lowercase hex"
     with pytest.raises(CacheFormatError, match=expected):
         open_index(copy, use_store=False)
+
+
+def test_each_shard_reaches_its_file_in_one_write_not_in_tarfile_s_16_kib_copies(
+    source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # How a file was written decides how the page cache holds it: one written in small pieces reads
+    # back from there at half the speed (docs/performance-remote.md). Count what reaches each file.
+    writes: dict[str, list[int]] = {}
+
+    class Recording(io.FileIO):
+        def write(self, data: Any) -> int:
+            writes.setdefault(os.readlink(f"/proc/self/fd/{self.fileno()}"), []).append(len(memoryview(data)))
+            return super().write(data)
+
+    real = os.fdopen
+
+    def fdopen(fd: int, mode: str = "r", buffering: int = -1) -> Any:
+        if mode != "wb":
+            return real(fd, mode, buffering)
+        size = buffering if buffering > 0 else io.DEFAULT_BUFFER_SIZE
+        return io.BufferedWriter(Recording(fd, "wb"), buffer_size=size)
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    pack_cache(source, str(tmp_path / "cache"), shard_bytes=64 << 10)  # shards of several 8 KiB buffers' worth
+    shards = {path: sizes for path, sizes in writes.items() if ".tar." in Path(path).name}
+    assert shards and all(len(sizes) == 1 for sizes in shards.values()), shards
+    assert max(sum(sizes) for sizes in shards.values()) > 16 << 10  # more than one of tarfile's copies
 
 
 def test_a_rerun_with_another_shard_size_is_refused(source: Path, tmp_path: Path) -> None:
