@@ -15,7 +15,9 @@ is bounded by the timeout `call` gives it.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # obstore's typed dicts exist for type checkers only
     from obstore.store import ClientConfig, S3Config, S3Credential, S3CredentialProvider
 
+log = logging.getLogger(__name__)
 S3_PROTOCOLS = ("s3", "s3a")  # as in remote.py, which imports this module
 KEYS = frozenset({"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs"})
 CLIENT_KEYS = frozenset({"endpoint_url", "region_name"})
@@ -65,9 +68,16 @@ def object_get_settings(url: str, storage_options: Mapping[str, Any]) -> ObjectG
     return ObjectGetSettings(bucket, str(region or "us-east-1"), endpoint and str(endpoint), anonymous, credentials)
 
 
+@functools.cache
 def object_get_available() -> bool:
-    """Whether obstore is installed (the `remote` extra brings it; without it every request goes through s3fs)."""
-    return importlib.util.find_spec("obstore") is not None
+    """Whether obstore imports here (the `remote` extra brings it; without it every request goes through s3fs)."""
+    try:
+        import obstore.store  # noqa: F401
+    except ImportError as error:
+        if importlib.util.find_spec("obstore") is not None:
+            log.warning("obstore is installed but does not import (%s); S3 downloads go through s3fs", error)
+        return False
+    return True
 
 
 def object_key(url: str) -> str:

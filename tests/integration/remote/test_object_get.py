@@ -59,6 +59,18 @@ def test_a_region_from_the_environment_is_enough(monkeypatch: pytest.MonkeyPatch
     assert settings is not None and settings.region == "ap-south-1" and settings.endpoint is None
 
 
+def test_without_obstore_every_download_goes_through_s3fs(
+    s3: dict[str, Any], packed_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote, "object_get_available", lambda: False)
+    store = RemoteStore(packed_url, s3)
+    assert store.object_get is None
+    index, _ = CacheLocation.of(packed_url, storage_options=s3).open()
+    shard = index.shards[0]
+    monkeypatch.setattr(remote, "get_object", lambda store, url: pytest.fail("obstore was used"))
+    assert len(shard_through(store, shard.path, shard.nbytes)) == shard.nbytes
+
+
 def shard_through(store: RemoteStore, path: str, size: int) -> bytes:
     pieces: list[bytes] = []
     assert store.download(path, lambda piece: pieces.append(bytes(piece)), size) == size
