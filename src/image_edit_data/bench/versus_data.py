@@ -65,13 +65,11 @@ def reference_digests(cache_dir: Path) -> dict[int, str]:
     return digests
 
 
-def upload_copies(
-    local: LocalCopies, chunk_bytes: int, server: LocalS3, endpoint: Endpoint, staging: Path
-) -> RemoteCopies:
+def upload_copies(local: LocalCopies, chunk_bytes: int, server: LocalS3, staging: Path) -> RemoteCopies:
     """Pack the one-file cache into the endpoint (as `cache pack` to a URL does) and upload the litdata dataset."""
     options = server.options
     make_bucket(options, BUCKET)
     packed, litdata = f"s3://{BUCKET}/packed", f"s3://{BUCKET}/litdata"
     pack_cache(local.files, packed, chunk_bytes, storage_options=options, staging_dir=str(staging))
     upload_directory(options, local.litdata, litdata)
-    return RemoteCopies(packed, litdata, options, boto3_options(options), server.pid, endpoint)
+    return RemoteCopies(packed, litdata, options, boto3_options(options), server.pid, server.endpoint)

@@ -206,7 +206,7 @@ def versus_litdata(args: Any, root: Path, console: Console) -> dict[str, Any]:
                 folder = root / "rclone-buckets"
                 folder.mkdir(exist_ok=True)
             server = servers.enter_context(local_s3(endpoint=endpoint, folder=folder))
-            remotes.append(upload_copies(local, args.chunk_bytes, server, endpoint, root / "staging"))
+            remotes.append(upload_copies(local, args.chunk_bytes, server, root / "staging"))
         results = run_rounds(args, local, remotes, scratch, console)
     table_rows = rows(results, args.num_workers, [remote.endpoint for remote in remotes])
     return {

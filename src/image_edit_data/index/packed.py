@@ -68,15 +68,16 @@ class ShardInfo:
             entry[SHARD_CHECKSUM] = self.xxh3_128
         return entry
 
-    def whole_check(self) -> tuple[str, str, Any]:
-        """How to check the shard's bytes whole: (manifest field, expected hex digest, a fresh hasher).
+    def whole_checks(self) -> list[tuple[str, str, Any]]:
+        """Every hash the manifest gives for the whole shard, fastest last: (field, expected hex, a fresh hasher).
 
-        XXH3-128 when the manifest has it (it costs a download 1 ms per 32 MiB against SHA-256's 19),
-        else SHA-256.
+        A download checks the last (XXH3-128 costs it 1 ms per 32 MiB against SHA-256's 19); `cache
+        validate` checks them all.
         """
+        checks: list[tuple[str, str, Any]] = [("sha256", self.sha256, hashlib.sha256())]
         if self.xxh3_128 is not None:
-            return SHARD_CHECKSUM, self.xxh3_128, xxhash.xxh3_128()
-        return "sha256", self.sha256, hashlib.sha256()
+            checks.append((SHARD_CHECKSUM, self.xxh3_128, xxhash.xxh3_128()))
+        return checks
 
 
 def is_packed(manifest: Mapping[str, Any]) -> bool:

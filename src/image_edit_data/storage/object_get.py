@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # obstore's typed dicts exist for type checkers only
     from obstore.store import ClientConfig, S3Config, S3Credential, S3CredentialProvider
 
 log = logging.getLogger(__name__)
-S3_PROTOCOLS = ("s3", "s3a")  # as in remote.py, which imports this module
+S3_PROTOCOLS = ("s3", "s3a")  # the URL schemes s3fs serves (remote.py uses them too)
 KEYS = frozenset({"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs"})
 CLIENT_KEYS = frozenset({"endpoint_url", "region_name"})
 # botocore settings obstore matches: ours (deadlines come from the policy, the CRC check is off anyway).

@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from .object_get import get_object, make_store, object_get_available, object_get_settings, runtime_usable
+from .object_get import (
+    S3_PROTOCOLS,
+    get_object,
+    make_store,
+    object_get_available,
+    object_get_settings,
+    runtime_usable,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -28,7 +35,6 @@ T = TypeVar("T")
 MIN_TRANSFER_RATE = 1 << 20
 # Files up to this size are downloaded in one GET; larger ones in ranged parts of this size.
 WHOLE_GET_BYTES = 64 << 20
-S3_PROTOCOLS = ("s3", "s3a")
 # Errors that mean the object is not there or not ours to read: retrying cannot help.
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 
@@ -304,11 +310,9 @@ class RemoteStore:
         caller's to refuse.
         """
         total = self.size(relative) if size is None else size
-        if total <= part and self.object_get is not None and runtime_usable():
-            write(data := self.get_object(relative, total))
-            return len(data)
         if total <= part:
-            data = self.read_all(relative, total)
+            by_obstore = self.object_get is not None and runtime_usable()
+            data = self.get_object(relative, total) if by_obstore else self.read_all(relative, total)
             write(data)
             return len(data)
         done = 0

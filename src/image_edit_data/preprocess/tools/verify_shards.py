@@ -10,16 +10,11 @@ training (storage/reader.py), so they are not hashed a second time here.
 
 from __future__ import annotations
 
-import hashlib
 import posixpath
 import tarfile
 from dataclasses import dataclass
-from typing import Any
-
-import xxhash
 
 from ...index.index import CacheIndex
-from ...index.packed import SHARD_CHECKSUM, ShardInfo
 from ...storage.reader import PayloadReader
 
 
@@ -30,14 +25,6 @@ class ShardProblem:
     file: str
     field: str
     reason: str
-
-
-def whole_checks(shard: ShardInfo) -> list[tuple[str, str, Any]]:
-    """Every hash the manifest gives for `shard`: (field, expected hex digest, a fresh hasher)."""
-    checks: list[tuple[str, str, Any]] = [("sha256", shard.sha256, hashlib.sha256())]
-    if shard.xxh3_128 is not None:
-        checks.append((SHARD_CHECKSUM, shard.xxh3_128, xxhash.xxh3_128()))
-    return checks
 
 
 def safe_member_name(name: str) -> bool:
@@ -64,7 +51,7 @@ def check_shards(reader: PayloadReader) -> list[ShardProblem]:
             reason = f"shard is {len(data)} bytes, the manifest says {shard.nbytes}"
             problems.append(ShardProblem(where, "bytes", reason))
             continue
-        for field, expected, digest in whole_checks(shard):
+        for field, expected, digest in shard.whole_checks():
             digest.update(data)
             if digest.hexdigest() != expected:
                 reason = f"shard hashes to {digest.hexdigest()}, the manifest says {expected}"
