@@ -67,6 +67,10 @@ class MemberCheck:
         """The whole member, read afresh."""
         raise NotImplementedError
 
+    def whole(self) -> Buffer:
+        """The whole member to check first: read now from a file; fetched bytes as they came."""
+        return self.reread()
+
     def confirmed(self) -> Buffer | CacheFormatError:
         """The member read afresh when its bytes now match, else the error that names the damage."""
         fresh = self.reread()
@@ -75,9 +79,9 @@ class MemberCheck:
 
     def verified_bytes(self) -> Buffer:
         """The whole member, checked (read again once on a mismatch); raises the error when the damage is confirmed."""
-        fresh = self.reread()
-        if member_checksum(fresh) == self.expected:
-            return fresh
+        first = self.whole()
+        if member_checksum(first) == self.expected:
+            return first
         result = self.confirmed()
         if isinstance(result, CacheFormatError):
             raise result
@@ -146,6 +150,9 @@ class FetchedMember(MemberCheck):
 
     def reread(self) -> Buffer:
         return self.data if self.refetch is None else self.refetch()
+
+    def whole(self) -> Buffer:
+        return self.data
 
 
 def pread_all(descriptor: int, length: int, offset: int, display: str = "a cache file") -> bytes:

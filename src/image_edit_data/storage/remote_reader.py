@@ -1,13 +1,15 @@
 """Readers for caches at URLs: one payload object per sample, or members of remote tar shards.
 
-Remote bytes (one ranged request per sample) are put in an anonymous in-memory file, so the
-payload code reads them through a descriptor as it reads a local file. A batch's requests run
+A remote file of its own (one request per sample) is put in an anonymous in-memory file, so the
+payload code reads it through a descriptor as it reads a local file (a `.pt` payload needs one).
+A member of a remote tar shard (one ranged request) is parsed where its bytes lie, and the batch
+copies its tensors out of them, checking its checksum in that same pass. A batch's requests run
 concurrently (up to `CONCURRENT_REQUESTS` at a time per process), so a batch costs about one round
-trip rather than one per sample. With a node-local shard
-cache, a cached shard is read in place and a missing one falls back to a ranged request (the
-prefetcher downloads shards, readers never wait for it). Each member read is checked against its
-checksum where the cache has them; a cache packed before checksums has nothing to compare, so
-there a member of a shard the node marked damaged (`damaged.py`) is refused rather than read.
+trip rather than one per sample. With a node-local shard cache, a cached shard is read in place
+and a missing one falls back to a ranged request (the prefetcher downloads shards, readers never
+wait for it). Each member read is checked against its checksum where the cache has them; a cache
+packed before checksums has nothing to compare, so there a member of a shard the node marked
+damaged (`damaged.py`) is refused rather than read.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import TypeVar
 
 from ..errors import CacheFormatError, fail
 from ..index.index import CacheIndex
-from ..index.packed import check_member_bytes
-from ..payload.payload import OpenPayload, open_member, open_payload
+from ..payload.member_check import Buffer
+from ..payload.payload import OpenPayload, open_member, open_payload, payload_from_bytes
 from .damaged import DamagedShards
 from .prefetch import ShardPrefetcher
 from .reader import (
@@ -166,21 +168,29 @@ class RemotePackedReader(PayloadReader):
             self.cached_files.give_back(number)
             raise
 
-    def ranged_bytes(self, idx: int) -> bytes:
+    def ranged_bytes(self, idx: int) -> Buffer:
         """Member `idx`'s bytes, by one ranged request (refused for a shard known damaged with nothing to check by)."""
         number, offset, length = self.index.member(idx)
         if self.index.checksum(idx) is None:
             self.refuse_if_damaged(number, self.display(idx))
         return self.store.read_range(self.index.shards[number].path, offset, length)
 
-    def from_bytes(self, idx: int, data: bytes | BaseException) -> OpenPayload:
-        """Payload `idx` from its fetched member bytes (or the fetch's error), checked against its checksum."""
-        data = raised(data)
-        display, expected = self.display(idx), self.index.checksum(idx)
-        if expected is not None:
-            check_member_bytes(data, expected, display, "ranged read")
-        descriptor, info = memory_file(data, display)
-        return open_payload(f"/proc/self/fd/{descriptor}", display, (descriptor, info), (0, len(data)))
+    def from_bytes(self, idx: int, data: Buffer | BaseException) -> OpenPayload:
+        """Payload `idx` from its fetched member bytes (or the fetch's error), parsed where they lie.
+
+        The batch copies the tensors out of these bytes and checks the member's checksum in that same
+        pass; bytes that do not match are fetched once more before the member counts as damaged, so
+        a range damaged in flight is a retry, not a corrupt sample (`payload_from_bytes`).
+        """
+        if isinstance(data, BaseException):
+            raise data
+        return payload_from_bytes(
+            data,
+            self.display(idx),
+            self.index.checksum(idx),
+            source="ranged read",
+            refetch=functools.partial(self.ranged_bytes, idx),
+        )
 
     def shard_bytes(self, number: int) -> bytes:
         shard = self.index.shards[number]

@@ -19,6 +19,7 @@ from typing import Any
 
 import fsspec
 import pytest
+import torch
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 from support import SUPPORT
@@ -35,6 +36,7 @@ from image_edit_data.preprocess.cli import cache_main
 from image_edit_data.preprocess.tools.pack import pack_cache
 from image_edit_data.storage.location import CacheLocation
 from image_edit_data.storage.remote import RemoteError, RemoteStore, RequestPolicy
+from image_edit_data.storage.remote_reader import RemotePackedReader
 from image_edit_data.storage.shard_cache import ShardCache
 
 
@@ -340,18 +342,48 @@ def two_in_shard(index: Any, number: int) -> tuple[int, int]:
     return first, second
 
 
-def test_a_flipped_byte_inside_a_member_is_refused_in_range_mode_naming_shard_member_and_both_checksums(
+def test_a_flipped_byte_inside_a_member_is_fetched_again_once_then_refused_in_range_mode_naming_both_checksums(
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
     url = copy_packed(s3, packed_url, "flipped-range")
-    index, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path)).open()
-    assert reader is not None
-    victim, neighbour = two_in_shard(index, 0)
-    display, recorded, found, _ = damage_member(s3, url, index, victim)
+    dataset = ImageEditDataset(url, storage_options=s3, local_cache_dir=str(tmp_path))
+    store = dataset.reader.store  # type: ignore[attr-defined]
+    victim, neighbour = two_in_shard(dataset.index, 0)
+    expected = ImageEditDataset(packed_url, storage_options=s3, local_cache_dir=str(tmp_path / "intact"))[neighbour]
+    display, recorded, found, _ = damage_member(s3, url, dataset.index, victim)
     message = f"{display}: xxh3_64: member bytes hash to {found}, the index says {recorded} (ranged read"
+    requests = store.stats.requests
     with pytest.raises(CacheFormatError, match=re.escape(message)):
-        reader.open(victim)
-    reader.open(neighbour).close()  # the shard's intact members are checked and read
+        dataset[victim]
+    assert store.stats.requests - requests == 2  # fetched, then fetched again before it counted as damaged
+    assert torch.equal(dataset[neighbour]["target_latent"], expected["target_latent"])  # the shard's intact members
+
+
+def test_a_range_damaged_in_flight_is_fetched_again_and_the_batch_holds_its_right_bytes(
+    s3: dict[str, Any], packed_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    skip = {"on_corrupt_sample": "skip", "max_corrupt_fraction": 0.5}
+    dataset = ImageEditDataset(packed_url, storage_options=s3, local_cache_dir=str(tmp_path), **skip)  # type: ignore[arg-type]
+    victim, other = two_in_shard(dataset.index, 1)
+    expected = dataset.__getitems__([victim, other]).batch
+    _, offset, _ = dataset.index.member(victim)
+    real = RemoteStore.read_range
+    damaged: list[int] = []
+
+    def once_damaged(self: RemoteStore, relative: str, start: int, length: int) -> Any:
+        data = real(self, relative, start, length)
+        if start == offset and not damaged:  # the first answer for the victim loses a bit on the way
+            damaged.append(start)
+            data = bytearray(data)
+            data[length // 2] ^= 0x04
+        return data
+
+    monkeypatch.setattr(RemoteStore, "read_range", once_damaged)
+    again = dataset.__getitems__([victim, other]).batch
+    assert damaged == [offset] and again["metadata"]["skipped"] == 0
+    assert again["metadata"]["sample_indices"] == [victim, other]
+    for key in ("image_latents", "text_embeddings"):
+        assert torch.equal(again[key], expected[key]), key
 
 
 def test_a_damaged_shard_is_marked_for_the_node_and_its_damaged_member_is_not_served_by_a_ranged_read(
@@ -359,8 +391,9 @@ def test_a_damaged_shard_is_marked_for_the_node_and_its_damaged_member_is_not_se
 ) -> None:
     url = copy_packed(s3, packed_url, "flipped-cache")
     options = dict(remote_read="shard_cache", shard_cache_bytes=10 * 10240)
-    index, reader = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path), **options).open()  # type: ignore[arg-type]
-    assert reader is not None and reader.shard_cache is not None and reader.store is not None
+    dataset = ImageEditDataset(url, storage_options=s3, local_cache_dir=str(tmp_path), **options)  # type: ignore[arg-type]
+    reader, index = dataset.reader, dataset.index
+    assert isinstance(reader, RemotePackedReader) and reader.shard_cache is not None
     cache, shard = reader.shard_cache, index.shards[0]
     victim, neighbour = two_in_shard(index, 0)
     display, recorded, found, _ = damage_member(s3, url, index, victim)
@@ -371,9 +404,9 @@ def test_a_damaged_shard_is_marked_for_the_node_and_its_damaged_member_is_not_se
     assert not cache.fetch(0) and reader.store.stats.requests == requests  # never downloaded again
     message = f"{display}: xxh3_64: member bytes hash to {found}, the index says {recorded} (ranged read"
     with pytest.raises(CacheFormatError, match=re.escape(message)):
-        reader.open(victim)
+        dataset[victim]
     assert reader.fallbacks == 1
-    reader.open(neighbour).close()
+    dataset[neighbour]
 
 
 def old_format_copy(s3: dict[str, Any], packed_url: str, name: str) -> str:
