@@ -1,8 +1,11 @@
-"""Whole-object GETs from S3 through obstore (a Rust object-store client), for shard downloads.
+"""GETs from S3 through obstore (a Rust object-store client): shard downloads and ranged member reads.
 
 A 32 MiB shard costs the client 31-33 ms of CPU through obstore against 51-59 ms through s3fs,
 whose aiohttp body loop runs in Python and holds the GIL the training thread needs
-(`scripts/bench_s3_client.py`; docs/performance-remote.md). obstore is used only where it reaches
+(`scripts/bench_s3_client.py`; docs/performance-remote.md); a ranged GET of one member costs it
+about half. An endpoint that answers a ranged GET with a whole-object status (200), as `rclone
+serve s3` does, is refused by obstore (`RangeNotServed`); ranged reads there go through s3fs,
+which accepts such an answer. obstore is used only where it reaches
 the same object as the same identity s3fs would: an S3 URL whose storage options hold nothing but
 keys (or `anon`), an endpoint and a region, with an endpoint or a region given (s3fs finds a
 bucket's region by following S3's redirects; obstore does not). Credentials come from the
@@ -19,7 +22,7 @@ import functools
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -153,17 +156,43 @@ def runtime_usable() -> bool:
 _runtime_pid: int | None = None  # the process whose obstore runtime has started
 
 
+class RangeNotServed(Exception):
+    """The endpoint answered a ranged GET with a whole-object status (200), which obstore refuses."""
+
+
 def get_object(store: Any, url: str) -> Any:
     """The whole object at `url` as a buffer; obstore's not-found and access errors as Python's own."""
-    global _runtime_pid
     import obstore
+
+    return _request(lambda: obstore.get(store, object_key(url)).bytes())
+
+
+def get_range(store: Any, url: str, start: int, length: int) -> Any:
+    """`length` bytes of the object at `url` from `start`, as a buffer (fewer where the object ends sooner).
+
+    Errors as `get_object`'s; an endpoint that does not answer ranges as S3 does raises `RangeNotServed`.
+    """
+    import obstore
+    from obstore.exceptions import GenericError
+
+    try:
+        return _request(lambda: obstore.get_range(store, object_key(url), start=start, length=length))
+    except GenericError as error:
+        if "non-partial response" in str(error):
+            raise RangeNotServed(str(error).splitlines()[0]) from error
+        raise
+
+
+def _request(send: Callable[[], Any]) -> Any:
+    """Run one obstore request in this process, its not-found and access errors as Python's own."""
+    global _runtime_pid
     from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
 
     if not runtime_usable():
         raise RuntimeError("obstore cannot run in a process forked after it started (use s3fs here)")
     _runtime_pid = os.getpid()
     try:
-        return obstore.get(store, object_key(url)).bytes()
+        return send()
     except NotFoundError as error:
         raise FileNotFoundError(str(error)) from error
     except (PermissionDeniedError, UnauthenticatedError) as error:

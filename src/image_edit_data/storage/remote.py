@@ -4,8 +4,9 @@ A `RemoteStore` is what a dataset holds for a cache at a URL (`s3://`, `gs://`, 
 `file://`, ...). It pickles without its filesystem and creates a fresh one the first time it is
 used in each process: an s3fs client inherited through `fork` shares its parent's event loop and
 connection pool and can hang, so a worker never touches the parent's client. fsspec's instance
-cache is skipped for the same reason. On S3, whole-shard downloads go through obstore instead where
-it reaches the bucket as s3fs would (`object_get.py`), its store likewise made in each process.
+cache is skipped for the same reason. On S3, shard downloads and ranged reads go through obstore
+instead where it reaches the bucket as s3fs would (`object_get.py`), its store likewise made in each
+process.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any, TypeVar
 
 from .object_get import (
     S3_PROTOCOLS,
+    RangeNotServed,
     get_object,
+    get_range,
     make_store,
     object_get_available,
     object_get_settings,
@@ -152,6 +155,7 @@ class RemoteStore:
     _pid: int = field(default=-1, repr=False, compare=False)
     _objects: Any = field(default=None, repr=False, compare=False)  # this process's obstore store, if any
     _objects_pid: int = field(default=-1, repr=False, compare=False)
+    _ranges_by_obstore: bool = field(default=True, repr=False, compare=False)  # False once the endpoint refused
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -261,18 +265,38 @@ class RemoteStore:
 
         return attempt
 
-    def read_range(self, relative: str, start: int, length: int) -> bytes:
+    def read_range(self, relative: str, start: int, length: int) -> bytes | memoryview:
         """`length` bytes of a cache file from `start`, in one request; fewer bytes is an error naming the URL."""
         url = self.url_of(relative)
         what = f"reading bytes [{start}, {start + length})"
-        data = self.call(what, url, self.timed("cat_file", url, start=start, end=start + length), length)
+        data = self.call(what, url, self.ranged_get(url, start, length), length)
         if len(data) != length:
             raise RemoteError(
                 f"{url}: reading bytes [{start}, {start + length}) returned {len(data)} bytes; "
                 "the object is shorter than the index says (truncated or replaced)"
             )
         self.stats.count(nbytes=length)
-        return bytes(data)
+        return data  # type: ignore[no-any-return]
+
+    def ranged_get(self, url: str, start: int, length: int) -> Callable[[float], bytes | memoryview]:
+        """One try of a ranged GET: through obstore where this endpoint serves its ranges, else through s3fs."""
+        by_s3fs = self.timed("cat_file", url, start=start, end=start + length)
+        if not (self.object_get is not None and self._ranges_by_obstore and runtime_usable()):
+            return by_s3fs
+
+        def attempt(timeout: float) -> bytes | memoryview:
+            try:
+                return memoryview(run_with_timeout(lambda: get_range(self.objects(), url, start, length), timeout))
+            except RangeNotServed as error:
+                self._ranges_by_obstore = False
+                log.warning(
+                    "%s answered a ranged GET with a whole-object status (%s); ranged reads go through s3fs",
+                    self.endpoint,
+                    error,
+                )
+                return by_s3fs(timeout)  # type: ignore[no-any-return]
+
+        return attempt
 
     def read_all(self, relative: str, nbytes: int = 0) -> bytes:
         """A whole cache file in one request (`nbytes`, when known, extends the try's deadline for the transfer)."""
@@ -299,9 +323,9 @@ class RemoteStore:
         return int(info["size"])
 
     def download(
-        self, relative: str, write: Callable[[bytes], object], size: int | None = None, part: int = WHOLE_GET_BYTES
+        self, relative: str, write: Callable[[Any], object], size: int | None = None, part: int = WHOLE_GET_BYTES
     ) -> int:
-        """Move a whole cache file to `write`; the bytes written.
+        """Move a whole cache file to `write` (bytes or another buffer, one or more pieces); the bytes written.
 
         A file of at most `part` bytes (a packed cache's usual shard) takes one GET: on S3 every
         request costs a round trip, and an endpoint may read the whole object to answer a ranged one.

@@ -201,7 +201,7 @@ class ShardCache:
             field, expected, digest = shard.whole_checks()[-1]
             with open(temporary, "r+b") as stream:
 
-                def write(piece: bytes) -> None:
+                def write(piece: bytes | memoryview) -> None:
                     digest.update(piece)
                     stream.write(piece)
 

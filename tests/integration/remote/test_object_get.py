@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import s3fs
 
+from image_edit_data.bench.local_s3 import local_s3
 from image_edit_data.storage import object_get, remote
 from image_edit_data.storage.location import CacheLocation
 from image_edit_data.storage.object_get import object_get_settings
@@ -123,3 +126,52 @@ def test_a_process_forked_after_obstore_ran_downloads_through_s3fs_instead_of_ha
     usable, received = results.get(timeout=60)
     child.join(timeout=30)
     assert (usable, received, child.exitcode) == (False, shard.nbytes, 0)
+
+
+def counting(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """The ranged GETs sent through obstore from now on: (url, start, length)."""
+    calls: list[tuple[str, int, int]] = []
+    real = remote.get_range
+
+    def noting(store: Any, url: str, start: int, length: int) -> Any:
+        calls.append((url, start, length))
+        return real(store, url, start, length)
+
+    monkeypatch.setattr(remote, "get_range", noting)
+    return calls
+
+
+def test_a_ranged_read_goes_through_obstore_and_brings_the_same_bytes_as_s3fs(
+    s3: dict[str, Any], packed_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index, _ = CacheLocation.of(packed_url, storage_options=s3).open()
+    number, offset, length = index.member(3)
+    shard = index.shards[number]
+    key = f"{packed_url.removeprefix('s3://')}/{shard.path}"
+    expected = s3fs.S3FileSystem(**s3).cat_file(key, start=offset, end=offset + length)
+    calls = counting(monkeypatch)
+    store = RemoteStore(packed_url, s3)
+    assert bytes(store.read_range(shard.path, offset, length)) == expected
+    assert calls == [(f"{packed_url}/{shard.path}", offset, length)] and store.stats.requests == 1
+    with pytest.raises(remote.RemoteError, match=rf"{key}: reading bytes .* returned 2 bytes; the object is shorter"):
+        store.read_range(shard.path, shard.nbytes - 2, 10)  # past the end: a truncated or replaced shard
+    with pytest.raises(FileNotFoundError, match=rf"{packed_url}/shards/none.tar: does not exist"):
+        store.read_range("shards/none.tar", 0, 10)
+
+
+def test_ranged_reads_from_an_endpoint_that_answers_them_with_status_200_go_through_s3fs_from_then_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`rclone serve s3` answers a ranged GET with status 200 and the range's bytes: obstore refuses that, s3fs not."""
+    data = os.urandom(64 << 10)
+    (tmp_path / "bucket").mkdir()
+    (tmp_path / "bucket" / "object").write_bytes(data)
+    calls = counting(monkeypatch)
+    with local_s3(endpoint="rclone", folder=tmp_path) as server:
+        store = RemoteStore("s3://bucket", server.options)
+        assert store.object_get is not None
+        assert bytes(store.read_range("object", 100, 1000)) == data[100:1100]
+        assert bytes(store.read_range("object", 5000, 300)) == data[5000:5300]
+    assert calls == [("s3://bucket/object", 100, 1000)]  # tried once through obstore, never again
+    assert store.stats.requests == 2  # the fall-back was not a retry
+    assert "answered a ranged GET with a whole-object status" in caplog.text
