@@ -226,6 +226,8 @@ def main(argv: list[str]) -> None:
         else:
             parser.add_argument(flag, type=str if "str" in str(field.type) else int, default=field.default)
     fit(FitOptions(**vars(parser.parse_args(argv))))
+    if torch.distributed.is_initialized():  # gloo's threads joined now, not torn down at interpreter exit (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 Records = list[list[tuple[int, list[int]]]]

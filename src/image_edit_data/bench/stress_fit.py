@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     stop.set()
     done = f"{trainer.current_epoch} {time.monotonic() - started:.3f}\n".encode()
     write_bytes_atomic(Path(args.out) / f"done-rank{trainer.global_rank}", done)
+    if torch.distributed.is_initialized():  # gloo's threads joined now, not torn down at interpreter exit (SIGABRT)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
