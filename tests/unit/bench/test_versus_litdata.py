@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from rich.console import Console
 from support import ROOT
 from support.caches import tiny_cache
 
@@ -23,7 +25,7 @@ from image_edit_data.bench.sample_digest import our_rows
 from image_edit_data.bench.tree_cpu import tree_cpu_seconds
 from image_edit_data.bench.versus_litdata import check_digests
 from image_edit_data.bench.versus_one import Measurement
-from image_edit_data.bench.versus_report import LOCAL_ROWS, rows, s3_rows
+from image_edit_data.bench.versus_report import LOCAL_ROWS, render, rows, s3_rows
 from image_edit_data.dataloader_config import ImageEditDataloaderConfig
 
 TINY_RUN = ["--samples", "16", "--rounds", "1", "--num-workers", "2", "--chunk-bytes", str(4 << 20)]
@@ -59,7 +61,7 @@ def test_a_tiny_run_reports_every_row_with_positive_rates_and_ratios(tiny_run: t
             row["litdata_cpu_ms"],
         )
         assert all(positive(v) for v in rates), row
-        assert row["verdict"] == ("PASS" if row["ratio"] >= row["target"] else "BELOW")
+        assert row["verdict"].startswith("PASS" if row["ratio"] >= row["target"] else "BELOW"), row
         if row["remote"] and row["epoch"] == "cold":  # the server's CPU serving the first epoch: the index at least
             assert positive(row["ours_server_cpu_s"]) and positive(row["litdata_server_cpu_s"]), row
     assert numbers["commit"] and numbers["machine"]["cpu_count"]
@@ -101,6 +103,25 @@ def test_rows_pair_each_endpoints_measurements_with_litdata_on_the_same_endpoint
     assert found == {"S3 moto range": (0.5, "BELOW"), "S3 rclone range": (1.5, "PASS")}
     older = [{**r, "measurement": {k: v for k, v in r["measurement"].items() if k != "endpoint"}} for r in results[:2]]
     assert [r["path"] for r in rows(older, [0])] == ["S3 moto range"]  # JSON from before endpoints: all on moto
+
+
+def test_a_row_below_target_while_ours_kept_the_server_busy_is_marked_server_bound() -> None:
+    def result(system: str, layout: str, rate: float, server_seconds: float) -> dict[str, Any]:
+        m = {"system": system, "layout": layout, "where": "s3", "endpoint": "moto", "workers": 0, "round": 0}
+        epoch = {"samples": 100, "seconds": 100 / rate, "cpu_seconds": 1.0, "server_cpu_seconds": server_seconds}
+        return {"measurement": m, "epochs": [epoch]}
+
+    def verdict(server_seconds: float) -> tuple[float, str]:
+        results = [result("ours", "range", 50, server_seconds), result("litdata", "litdata", 100, 0.1)]
+        (found,) = rows(results, [0], ["moto"])
+        return round(found["ours_server_busy"], 2), found["verdict"]
+
+    assert verdict(1.9) == (0.95, "BELOW, server-bound")  # 1.9 CPU s in a 2 s epoch: the server set the rate
+    assert verdict(1.0) == (0.5, "BELOW")
+    printed = Console(file=io.StringIO(), width=300)
+    printed.print(render(rows([result("ours", "range", 50, 1.9), result("litdata", "litdata", 100, 0.1)], [0]), 1))
+    text = printed.file.getvalue()  # type: ignore[attr-defined]
+    assert "server busy ours" in text and "95%" in text and "BELOW, server-bound" in text
 
 
 def test_the_rclone_endpoint_without_its_program_or_folder_is_refused_naming_the_fix(
