@@ -7,8 +7,8 @@ per round and client, alternating: `--requests` ranged GETs of 0.9 MB (one sampl
 preset, as `range` mode reads it), one at a time, and five whole-object GETs (as the shard cache
 downloads a shard). Prints wall time and this process's CPU per request. The clients: s3fs with the
 options `RemoteStore` gives it (botocore's retries and response CRC off), s3fs with botocore's CRC
-check on (its default), and obstore's store as `storage/object_get.py` makes it (whole GETs only, as
-the read path uses it; a buffer, not copied). Needs the `remote` extra.
+check on (its default), and obstore's store as `storage/object_get.py` makes it (a buffer, not
+copied). Needs the `remote` extra.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ def process_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def clients(options: dict[str, Any]) -> dict[str, tuple[Callable[[int, int], bytes] | None, Callable[[], Any]]]:
+def clients(options: dict[str, Any]) -> dict[str, tuple[Callable[[int, int], Any] | None, Callable[[], Any]]]:
     """Per client: (ranged GET of [start, end) or None, whole-object GET)."""
     import fsspec
 
-    from image_edit_data.storage.object_get import get_object, make_store, object_get_settings
+    from image_edit_data.storage.object_get import get_object, get_range, make_store, object_get_settings
     from image_edit_data.storage.remote import RequestPolicy, client_options
 
     policy = RequestPolicy()
@@ -52,7 +52,10 @@ def clients(options: dict[str, Any]) -> dict[str, tuple[Callable[[int, int], byt
     return {
         "s3fs": (lambda s, e: ours.cat_file(path, start=s, end=e), lambda: ours.cat_file(path)),
         "s3fs+crc": (None, lambda: with_crc.cat_file(path)),
-        "obstore": (None, lambda: get_object(store, f"s3://{path}")),
+        "obstore": (
+            lambda s, e: get_range(store, f"s3://{path}", s, e - s),
+            lambda: get_object(store, f"s3://{path}"),
+        ),
     }
 
 

@@ -185,8 +185,12 @@ class RemoteStore:
                 self._pid = os.getpid()
             return self._fs
 
+    def obstore_usable(self) -> bool:
+        """Whether this process sends this store's S3 GETs through obstore (`object_get.py`) rather than s3fs."""
+        return self.object_get is not None and runtime_usable()
+
     def objects(self) -> Any:
-        """This process's obstore store for whole-object GETs (`object_get.py`), created on first use in it."""
+        """This process's obstore store for S3 GETs (`object_get.py`), created on first use in it."""
         with self._lock:
             if self._objects is None or self._objects_pid != os.getpid():
                 assert self.object_get is not None
@@ -281,7 +285,7 @@ class RemoteStore:
     def ranged_get(self, url: str, start: int, length: int) -> Callable[[float], bytes | memoryview]:
         """One try of a ranged GET: through obstore where this endpoint serves its ranges, else through s3fs."""
         by_s3fs = self.timed("cat_file", url, start=start, end=start + length)
-        if not (self.object_get is not None and self._ranges_by_obstore and runtime_usable()):
+        if not (self._ranges_by_obstore and self.obstore_usable()):
             return by_s3fs
 
         def attempt(timeout: float) -> bytes | memoryview:
@@ -335,8 +339,7 @@ class RemoteStore:
         """
         total = self.size(relative) if size is None else size
         if total <= part:
-            by_obstore = self.object_get is not None and runtime_usable()
-            data = self.get_object(relative, total) if by_obstore else self.read_all(relative, total)
+            data = self.get_object(relative, total) if self.obstore_usable() else self.read_all(relative, total)
             write(data)
             return len(data)
         done = 0
