@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# Install the package on a fresh machine. Torch is installed first and explicitly: a bare `torch`
-# requirement can pull a multi-GB CUDA build. Override with TORCH_SPEC="torch==X" on other machines.
-# EXTRAS picks the optional dependency groups (default: test,build,remote; empty for the package alone; add bench
-# for `image-edit-data bench versus-litdata`).
+# Install the package and what working on it needs into the current Python environment.
+#
+# Default: the development and test environment from requirements/dev.lock, every package at its pinned version
+# (installed --no-deps: the lock is complete, so nothing is resolved and nothing floats), then the package itself,
+# editable. Torch comes first and explicitly: TORCH_SPEC (default torch==2.13.0, the CPU build pip finds on these
+# machines' disk); a bare `torch` from PyPI is a CUDA build of several GB.
+#
+# EXTRAS=... instead installs the package with those extras from their ranges, as a user would (no lock);
+# EXTRAS= (empty) installs the package alone. The quickstart uses EXTRAS=, scripts/test_torch_range.sh EXTRAS=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${EXTRAS-test,build,remote}"
-python -m pip install --quiet --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
-python -m pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
-# NeMo Automodel's Qwen-Image-Edit preprocessor, which tests/integration/preprocess/test_nemo_equivalence.py runs to compare caches.
-# --no-deps: importing the preprocessor needs only the build extra, and its own pins would replace our transformers.
-if [[ ",$extras," == *",test,"* ]]; then
-  python -m pip install --quiet --disable-pip-version-check --no-deps "nemo-automodel==0.7.0"
-fi
-# litdata for `bench versus-litdata` and its smoke test (tests/unit/bench/test_versus_litdata.py).
-# --no-deps: its metadata requires torchvision, which would replace the torch installed above; what it imports
-# (boto3, filelock, obstore, lightning-utilities, requests) comes with the test and bench extras.
-if [[ ",$extras," == *",test,"* || ",$extras," == *",bench,"* ]]; then
-  python -m pip install --quiet --disable-pip-version-check --no-deps "litdata==0.2.76"
+pip=(python -m pip install --quiet --disable-pip-version-check)
+"${pip[@]}" "${TORCH_SPEC:-torch==2.13.0}"
+if [[ -z "${EXTRAS+set}" ]]; then
+  # The lock pins torch's own requirements too; torch itself stays as TORCH_SPEC installed it.
+  grep -v '^torch==' requirements/dev.lock > "${TMPDIR:-/tmp}/image-edit-data-lock.$$.txt"
+  "${pip[@]}" --no-deps -r "${TMPDIR:-/tmp}/image-edit-data-lock.$$.txt" -r requirements/no-deps.txt
+  rm -f "${TMPDIR:-/tmp}/image-edit-data-lock.$$.txt"
+  "${pip[@]}" --no-deps -e .
+else
+  "${pip[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
 fi
