@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))  # the shared helpers: `from support.caches import ...`
-
 from support.caches import tiny_cache
 
 
@@ -48,7 +44,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def s3() -> Iterator[dict[str, Any]]:
     """moto's S3 server on 127.0.0.1 with an empty bucket "bucket"; its storage options (dummy credentials)."""
-    from image_edit_data.bench.local_s3 import make_bucket, moto_server
+    from support.local_s3 import make_bucket, moto_server
 
     with moto_server() as options:
         make_bucket(options, "bucket")
@@ -70,10 +66,10 @@ LONGEST_FILES = [
     "integration/remote/test_remote_faults.py",  # 36
     "integration/fit/test_lora.py",  # 33
     "unit/workers/test_start_forms.py",  # 30
-    "unit/bench/test_versus_litdata.py",  # 29
+    "benchmarks/test_versus_litdata.py",  # 29
     "unit/preprocess/test_pipeline_encoders.py",  # 28
     "unit/lightning/test_loader_lifecycle.py",  # 25
-    "integration/fit/test_stress.py",  # 23
+    "benchmarks/test_stress.py",  # 23
     "integration/resume/test_elastic_resume.py",  # 23
     "integration/resume/test_datamodule_resume.py",  # 22
     "unit/workers/test_server_start.py",  # 16

@@ -39,12 +39,6 @@ def _export_lora(command: str, rest: list[str], from_shell: bool) -> int:
     return export_lora_main(rest)
 
 
-def _stress(command: str, rest: list[str], from_shell: bool) -> int:
-    from .bench.stress import stress_main
-
-    return stress_main(rest)
-
-
 @dataclass(frozen=True)
 class Command:
     """One top-level command: what the usage shows after its name, its summary, and what runs it."""
@@ -63,7 +57,6 @@ COMMANDS: dict[str, Command] = {
     "demo-cache": Command("OUT_DIR", "write the procedural demo cache (no downloads, CPU only)", _demo_cache),
     "bench": Command("CACHE_DIR", "measure open time, index memory, samples/s and worker memory on your cache", _bench),
     "export-lora": Command("CKPT OUT_DIR", "write a LoRA run's adapter for diffusers' load_lora_weights", _export_lora),
-    "stress": Command("[--epochs N]", "DDP fits with loader workers over many epoch changes: hangs and time", _stress),
 }
 
 

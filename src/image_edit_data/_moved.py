@@ -23,7 +23,6 @@ MOVED = {
     "image_edit_data.examples.model_blocks": "image_edit_data.models.reference_blocks",
     "image_edit_data.examples.model": "image_edit_data.models.reference",
     "image_edit_data.examples": "image_edit_data.models",
-    "image_edit_data.bench.s3_server": "image_edit_data.bench.local_s3",
     "image_edit_data.loader": "image_edit_data.dataloader_config",
     "image_edit_data.loading.resumable": "image_edit_data.workers.resumable_loader",
     "image_edit_data.loading": "image_edit_data.workers",

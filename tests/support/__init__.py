@@ -1,4 +1,4 @@
-"""Factories, harnesses and servers the tests share (importable: conftest.py puts tests/ on sys.path)."""
+"""Factories, harnesses and servers the tests share (pytest's `pythonpath` setting puts tests/ on sys.path)."""
 
 from pathlib import Path
 

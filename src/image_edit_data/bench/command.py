@@ -7,8 +7,8 @@ same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader 
 with `--rounds N` every loader N times, taking turns, each reported by its fastest round.
 `--index-only` measures the index alone; `--worker-memory-index N` worker memory over an epoch of
 N records. It prints numbers only (tables, and `--json PATH`). `--make-synthetic N` first writes
-a cache of realistic sample size (`synthetic.py`). `bench versus-litdata` compares our loader with
-litdata's on synthetic samples it writes itself (`versus_litdata.py`).
+a cache of realistic sample size (`synthetic.py`). Races with other loaders on data of their own
+(litdata), stress runs and the remote-layout comparison are in the repository's benchmarks/.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ def _bench_parser() -> ArgumentParser:
     """Options of `image-edit-data bench`."""
     parser = ArgumentParser(
         prog="image-edit-data bench",
-        description="Measure index open time and memory, loader samples/s and MB/s, and worker memory on a cache. "
-        "`image-edit-data bench versus-litdata --help`: our loader against litdata's, local and from S3.",
+        description="Measure index open time and memory, loader samples/s and MB/s, and worker memory on a cache.",
         exit_on_error=False,
     )
     parser.add_argument("cache_dir", type=str | None, nargs="?", default=None, help="Cache to measure.")
@@ -131,30 +130,7 @@ def _bench_parser() -> ArgumentParser:
     parser.add_argument("--prompt", type=str | None, default=None, help="Synthetic prompt embedding shape SxD.")
     parser.add_argument("--contexts", type=int, default=1, help="Synthetic context images per sample.")
     parser.add_argument("--out", type=str | None, default=None, help="Keep the synthetic cache in this new directory.")
-    add_remote_arguments(parser)
     return parser
-
-
-def add_remote_arguments(parser: ArgumentParser) -> None:
-    """Options of the packed/remote layout comparison (bench/remote.py)."""
-    parser.add_argument(
-        "--remote",
-        action=ActionYesNo,
-        default=False,
-        help="Compare local packed shards, S3 ranged reads and S3 shard caching with this one-file cache.",
-    )
-    parser.add_argument("--shard-bytes", type=int, default=64 << 20, help="With --remote: shard size to pack.")
-    parser.add_argument(
-        "--shard-cache-bytes", type=int | None, default=None, help="With --remote: shard cache budget (4 shards)."
-    )
-    parser.add_argument(
-        "--inject-latency-ms", type=float, nargs="+", default=[0.0], help="With --remote: delay per S3 request."
-    )
-    parser.add_argument("--shard-window", type=int, default=2, help="With --remote: shuffle window of the shard cache.")
-    parser.add_argument("--s3-url", type=str | None, default=None, help="With --remote: an S3 prefix to pack into.")
-    parser.add_argument(
-        "--storage-options", type=dict[str, Any] | None, default=None, help="With --s3-url: fsspec options as JSON."
-    )
 
 
 def make_console() -> Console:
@@ -166,10 +142,6 @@ def make_console() -> Console:
 def bench_main(argv: list[str]) -> int:
     """`image-edit-data bench ...`; returns the exit code (2 for bad options, 1 for a bad cache)."""
     console = make_console()
-    if argv[:1] == ["versus-litdata"]:
-        from .versus_litdata import versus_main
-
-        return versus_main(argv[1:], console)
     try:
         args = _bench_parser().parse_args(argv)
         resolve_path_options(args, ("cache_dir", "out", "json", "reference_path"))
@@ -189,13 +161,6 @@ def bench_main(argv: list[str]) -> int:
         cache_dir = write_cache(args, spec, temporary, console) if writes else Path(args.cache_dir)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=LOADER_NOISE)
-            if args.remote:  # bench/remote.py prints its own table
-                from .remote import dumps, remote_bench
-
-                numbers = remote_bench(cache_dir, args, console)
-                if args.json:
-                    Path(args.json).write_text(dumps(numbers))
-                return 0
             results = run(cache_dir, options, args, console, reference)
     except USER_ERRORS as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)

@@ -2,7 +2,7 @@
 
 A 32 MiB shard costs the client 31-33 ms of CPU through obstore against 51-59 ms through s3fs,
 whose aiohttp body loop runs in Python and holds the GIL the training thread needs
-(`scripts/bench_s3_client.py`; docs/performance-remote.md); a ranged GET of one member costs it
+(`benchmarks/s3_client.py`; docs/performance-remote.md); a ranged GET of one member costs it
 about half. An endpoint that answers a ranged GET with a whole-object status (200), as `rclone
 serve s3` does, is refused by obstore (`RangeNotServed`); ranged reads there go through s3fs,
 which accepts such an answer. obstore is used only where it reaches

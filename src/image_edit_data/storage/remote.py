@@ -375,7 +375,7 @@ def client_options(protocol: str, storage_options: Mapping[str, Any], policy: Re
 
     On S3, botocore's CRC check of whole-object answers is off too: every shard download is hashed
     against the manifest and every member read against its checksum, so the CRC would be a second
-    pass over the same bytes (5-10 ms of CPU per 32 MiB shard: `scripts/bench_s3_client.py`).
+    pass over the same bytes (5-10 ms of CPU per 32 MiB shard: `benchmarks/s3_client.py`).
     Options the user set in `storage_options` win, `config_kwargs` key by key.
     """
     options = dict(storage_options)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import s3fs
+from support.local_s3 import local_s3
 
-from image_edit_data.bench.local_s3 import local_s3
 from image_edit_data.storage import object_get, remote
 from image_edit_data.storage.location import CacheLocation
 from image_edit_data.storage.object_get import object_get_settings

@@ -54,7 +54,7 @@ from .convert import RECORDS_PER_SHARD, converted_name
 DEFAULT_SHARD_BYTES = 256 << 20
 # Shards reach the file in writes of this size, not the 8 KiB pieces Python's default buffer passes
 # on: the page cache then holds them in large folios, and training on the node that packed reads a
-# 0.9 MB member from there in 36-41 us instead of 76-89 (`scripts/bench_write_pattern.py`).
+# 0.9 MB member from there in 36-41 us instead of 76-89 (`benchmarks/write_pattern.py`).
 WRITE_BYTES = 8 << 20
 PROGRESS = "progress"
 JOURNAL = "pack.jsonl"

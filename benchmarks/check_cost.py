@@ -1,6 +1,6 @@
 """What a packed member's checksum costs per sample, split into the hash and everything around it.
 
-Usage: python scripts/bench_check_cost.py PACKED_CACHE [--batches 250] [--rounds 8] [--threads 1]
+Usage: python -m benchmarks.check_cost PACKED_CACHE [--batches 250] [--rounds 8] [--threads 1]
 
 Reads the same shuffled batches of 4 through `ImageEditDataset.__getitems__` three ways, in
 rotated order every round, and prints the median CPU µs per sample of each:

@@ -1,4 +1,4 @@
-"""`image-edit-data bench versus-litdata`: a tiny run end to end, its data check, and its CPU accounting."""
+"""`python -m benchmarks.versus_litdata`: a tiny run end to end, its data check, and its CPU accounting."""
 
 from __future__ import annotations
 
@@ -16,16 +16,15 @@ from typing import Any
 import pytest
 import torch
 from rich.console import Console
-from support import ROOT
 from support.caches import tiny_cache
+from support.local_s3 import server_command
 
-from image_edit_data.__main__ import main
-from image_edit_data.bench.local_s3 import server_command
-from image_edit_data.bench.sample_digest import our_rows
-from image_edit_data.bench.tree_cpu import tree_cpu_seconds
-from image_edit_data.bench.versus_litdata import check_digests
-from image_edit_data.bench.versus_one import Measurement
-from image_edit_data.bench.versus_report import LOCAL_ROWS, render, rows, s3_rows
+from benchmarks import child_environment
+from benchmarks.versus_litdata.run import check_digests, versus_main
+from benchmarks.versus_litdata.sample_digest import our_rows
+from benchmarks.versus_litdata.tree_cpu import tree_cpu_seconds
+from benchmarks.versus_litdata.versus_one import Measurement
+from benchmarks.versus_litdata.versus_report import LOCAL_ROWS, render, rows, s3_rows
 from image_edit_data.dataloader_config import ImageEditDataloaderConfig
 
 TINY_RUN = ["--samples", "16", "--rounds", "1", "--num-workers", "2", "--chunk-bytes", str(4 << 20)]
@@ -41,7 +40,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
     """One tiny versus-litdata run (16 samples, one round, 2 workers); its JSON and its kept data."""
     root = tmp_path_factory.mktemp("versus")
     out = root / "numbers.json"
-    code = main(["bench", "versus-litdata", *TINY_RUN, "--work-dir", str(root / "work"), "--json", str(out)])
+    code = versus_main([*TINY_RUN, "--work-dir", str(root / "work"), "--json", str(out)], Console(width=160))
     assert code == 0
     return json.loads(out.read_text()), root / "work" / "data"
 
@@ -171,12 +170,12 @@ def measured(cache: Path, tmp_path: Path, **options: Any) -> dict[str, Any]:
     """One `versus_one` measurement of ours over `cache` in a fresh process, as the bench runs it."""
     m = Measurement("ours", "files", "local", str(cache), 2, 2, 1, str(tmp_path / "local"), verify_batches=0, **options)
     done = subprocess.run(
-        [sys.executable, "-m", "image_edit_data.bench.versus_one", json.dumps(asdict(m))],
+        [sys.executable, "-m", "benchmarks.versus_litdata.versus_one", json.dumps(asdict(m))],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env=child_environment(),
     )
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result

@@ -1,6 +1,6 @@
 """Client CPU and wall time per S3 request: s3fs and obstore as the read path runs them, on moto.
 
-Usage: python scripts/bench_s3_client.py [--requests 200] [--rounds 2]
+Usage: python -m benchmarks.s3_client [--requests 200] [--rounds 2]
 
 Puts one 32 MiB object (a packed shard's size) on moto's server on 127.0.0.1 (dummy credentials), then
 per round and client, alternating: `--requests` ranged GETs of 0.9 MB (one sample of the `small`
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from image_edit_data.bench.local_s3 import make_bucket, moto_server
+from support.local_s3 import make_bucket, moto_server
 
 BUCKET, KEY = "client-bench", "shard.tar"
 OBJECT_BYTES, SAMPLE_BYTES, WHOLE_GETS = 32 << 20, 900_000, 5

@@ -13,7 +13,7 @@ import os
 import resource
 from pathlib import Path
 
-from .measure import read_proc
+from image_edit_data.bench.measure import read_proc
 
 
 def _stat_fields(pid: int) -> list[str] | None:

@@ -1,6 +1,6 @@
 """Samples/s of the loader over a local cache, alone: the packed read path without the remote layouts.
 
-Usage: python scripts/bench_packed_read.py CACHE [--num-workers 0 2] [--batches 99] [--repeat 3] [--json OUT]
+Usage: python -m benchmarks.packed_read CACHE [--num-workers 0 2] [--batches 99] [--repeat 3] [--json OUT]
 
 Per worker count: builds the loader (batch size 4, default shuffle), draws one warm-up batch, then
 times the next `--batches` batches; repeats that `--repeat` times and prints the fastest and the

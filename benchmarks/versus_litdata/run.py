@@ -1,4 +1,4 @@
-"""`image-edit-data bench versus-litdata`: our loader against litdata's on the same samples, locally and from S3.
+"""`python -m benchmarks.versus_litdata`: our loader against litdata's on the same samples, locally and from S3.
 
 Writes one synthetic cache as our one-file layout, packed by `cache pack`, and with
 `litdata.optimize` (shards and chunks of the same size), starts the local S3 endpoints on 127.0.0.1
@@ -27,9 +27,11 @@ from typing import Any, Literal
 
 from jsonargparse import ArgumentParser
 from rich.console import Console
+from support.local_s3 import Endpoint
 
-from .local_s3 import Endpoint
-from .measure import machine_info
+from benchmarks import child_environment
+from image_edit_data.bench.measure import machine_info
+
 from .versus_data import LocalCopies, RemoteCopies, upload_copies, write_local_copies
 from .versus_one import Layout, Measurement, System, Where
 from .versus_report import render, rows
@@ -40,7 +42,7 @@ MEASUREMENT_TIMEOUT_S = 900.0
 def versus_parser() -> ArgumentParser:
     """Options of `image-edit-data bench versus-litdata`."""
     parser = ArgumentParser(
-        prog="image-edit-data bench versus-litdata",
+        prog="python -m benchmarks.versus_litdata",
         description="Our loader against litdata's on the same synthetic samples, local and from a local S3 endpoint.",
         exit_on_error=False,
     )
@@ -116,8 +118,10 @@ def measurements(
 
 def run_measurement(m: Measurement) -> dict[str, Any]:
     """Run `m` in a fresh process and return its result; a failed run raises with the end of its error output."""
-    command = [sys.executable, "-m", "image_edit_data.bench.versus_one", json.dumps(asdict(m))]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=MEASUREMENT_TIMEOUT_S)
+    command = [sys.executable, "-m", "benchmarks.versus_litdata.versus_one", json.dumps(asdict(m))]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=MEASUREMENT_TIMEOUT_S, env=child_environment()
+    )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{m.system} {m.layout} ({m.where}, {m.workers} workers) failed:\n{done.stderr[-3000:]}")
@@ -193,7 +197,7 @@ def git_commit() -> str | None:
 
 def versus_litdata(args: Any, root: Path, console: Console) -> dict[str, Any]:
     """Write the data under `root`, run every round, and return all numbers (rows, measurements, machine)."""
-    from .local_s3 import local_s3
+    from support.local_s3 import local_s3
 
     console.print(f"writing {args.samples} samples three ways under {root}", highlight=False)
     local = write_local_copies(root / "data", args.samples, args.preset, args.chunk_bytes)

@@ -1,6 +1,6 @@
 """How the way a shard was written changes how fast it reads back from the page cache.
 
-Usage: python scripts/bench_write_pattern.py [--reads 200] [--rounds 2]
+Usage: python -m benchmarks.write_pattern [--reads 200] [--rounds 2]
 
 Writes one 32 MiB file of random bytes three ways, then reads `--reads` random 0.9 MB ranges of it
 (one sample of the `small` preset) with `preadv` from the page cache, and prints microseconds per

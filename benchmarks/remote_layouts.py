@@ -1,4 +1,4 @@
-"""`image-edit-data bench CACHE --remote`: packed and remote layouts against the local one-file cache.
+"""`python -m benchmarks.remote_layouts CACHE`: packed and remote layouts against the local one-file cache.
 
 The cache is packed locally and into an S3 endpoint (a moto server on 127.0.0.1 unless
 `--s3-url` and `--storage-options` name a real one), then each layout trains through the same
@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,12 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from jsonargparse import ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
-from ..dataloader_config import ImageEditDataloaderConfig
-from ..index.packed import member_checksum
-from ..index.store import open_index
+from image_edit_data.dataloader_config import ImageEditDataloaderConfig
+from image_edit_data.index.packed import member_checksum
+from image_edit_data.index.store import open_index
 
 
 @dataclass
@@ -179,7 +181,7 @@ def endpoint(args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
     if args.s3_url:
         yield args.s3_url.rstrip("/"), dict(args.storage_options or {})
         return
-    from .local_s3 import make_bucket, moto_server
+    from support.local_s3 import make_bucket, moto_server
 
     with moto_server() as options:
         make_bucket(options, "bench")
@@ -188,7 +190,7 @@ def endpoint(args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
 
 def remote_bench(cache_dir: Path, args: Any, console: Console) -> dict[str, Any]:
     """Pack `cache_dir` locally and into S3, measure every layout, print the table; the numbers as a dict."""
-    from ..preprocess.tools.pack import pack_cache
+    from image_edit_data.preprocess.tools.pack import pack_cache
 
     scratch = Path(tempfile.mkdtemp(prefix="image-edit-remote-bench-"))
     try:
@@ -254,3 +256,37 @@ def render(results: list[LayoutResult]) -> Table:
 def dumps(results: dict[str, Any]) -> str:
     """The numbers as JSON."""
     return json.dumps(results, indent=2) + "\n"
+
+
+def _parser() -> ArgumentParser:
+    """Options of `python -m benchmarks.remote_layouts`."""
+    parser = ArgumentParser(
+        prog="python -m benchmarks.remote_layouts",
+        description="Compare local packed shards, S3 ranged reads and S3 shard caching with a one-file cache.",
+    )
+    parser.add_argument("cache_dir", type=str, help="A one-file-per-sample cache to pack and measure.")
+    parser.add_argument("--batch-size", type=int, default=4, help="Samples per batch.")
+    parser.add_argument("--num-workers", type=int, nargs="+", default=[0], help="Loader workers (the first is used).")
+    parser.add_argument("--batches", type=int, default=200, help="Batches timed per layout (at most one epoch).")
+    parser.add_argument("--prefetch-factor", type=int, default=2, help="Batches each worker loads ahead.")
+    parser.add_argument("--shard-bytes", type=int, default=64 << 20, help="Shard size to pack.")
+    parser.add_argument("--shard-cache-bytes", type=int | None, default=None, help="Shard cache budget (4 shards).")
+    parser.add_argument("--inject-latency-ms", type=float, nargs="+", default=[0.0], help="Delay per S3 request.")
+    parser.add_argument("--shard-window", type=int, default=2, help="Shuffle window of the shard cache.")
+    parser.add_argument("--s3-url", type=str | None, default=None, help="An S3 prefix to pack into (default: moto).")
+    parser.add_argument("--storage-options", type=dict[str, Any] | None, default=None, help="fsspec options as JSON.")
+    parser.add_argument("--json", type=str | None, default=None, help="Also write every number to this file.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the options, run the comparison, print the table (and write `--json`)."""
+    args = _parser().parse_args(argv)
+    numbers = remote_bench(Path(args.cache_dir), args, Console(soft_wrap=True, width=160))
+    if args.json:
+        Path(args.json).write_text(dumps(numbers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

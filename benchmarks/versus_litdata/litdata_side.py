@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from ..index.store import open_index
-from ..payload.payload import load_payload
+from image_edit_data.index.store import open_index
+from image_edit_data.payload.payload import load_payload
+
 from .sample_digest import sample_number
 
 STORED_BF16 = torch.int16  # litdata cannot write bf16; the int16 view holds the same bytes

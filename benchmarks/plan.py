@@ -1,4 +1,4 @@
-"""Time the epoch plan for a large synthetic index: `python scripts/bench_plan.py [--samples 10000000]`.
+"""Time the epoch plan for a large synthetic index: `python -m benchmarks.plan [--samples 10000000]`.
 
 Prints seconds per plan for several world sizes; every rank computes the same plan. Then plans a
 mixture whose huge source is subsampled (`--huge` samples, `--draws` of them per epoch, beside a

@@ -1,6 +1,6 @@
 """One measurement of `bench versus-litdata`, in a fresh process: one loader, a cold epoch, warm epochs, a data check.
 
-    python -m image_edit_data.bench.versus_one '<Measurement as JSON>'
+    python -m benchmarks.versus_litdata.versus_one '<Measurement as JSON>'
 
 prints the result as one JSON line. A fresh process per measurement gives every cold epoch the
 same start (no imports or pools left from the previous loader) and keeps each loader's clients
@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import torch
 
-from .measure import process_cpu_seconds
+from image_edit_data.bench.measure import process_cpu_seconds
+
 from .sample_digest import our_rows, sample_digest
 from .tree_cpu import tree_cpu_seconds
 
@@ -89,7 +90,7 @@ class Clock:
 
 def our_loader(m: Measurement) -> tuple[Any, Callable[[Any], int], Rows]:
     """Our loader over the measurement's layout: member checksums required wherever a layout has them."""
-    from ..dataloader_config import ImageEditDataloaderConfig
+    from image_edit_data.dataloader_config import ImageEditDataloaderConfig
 
     options: dict[str, Any] = {"num_workers": m.workers, "require_checksums": m.layout != "files"}
     if m.where == "s3":

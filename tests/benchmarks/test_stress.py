@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from image_edit_data.bench.stress import stress_main
+from benchmarks.stress.run import stress_main
 
 EPOCHS = 40
 

@@ -1,4 +1,4 @@
-"""CPU time per batch in the training process and in the workers: `python scripts/bench_handoff.py CACHE`.
+"""CPU time per batch in the training process and in the workers: `python -m benchmarks.handoff CACHE`.
 
 Shows what handing batches from workers to the training process costs on this machine: our
 loader on CACHE at each worker count, then torch's own hand-off alone (a StatefulDataLoader over

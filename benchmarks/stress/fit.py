@@ -20,8 +20,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from .._atomic import write_bytes_atomic
-from ..lightning.datamodule import ImageEditDataModule
+from image_edit_data._atomic import write_bytes_atomic
+from image_edit_data.lightning.datamodule import ImageEditDataModule
 
 
 class OneParameter(pl.LightningModule):
@@ -59,7 +59,7 @@ def churn_threads(stop: threading.Event) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the options and run the fit (Lightning starts the other ranks by running this module again)."""
-    parser = argparse.ArgumentParser(prog="python -m image_edit_data.bench.stress_fit")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.stress.fit")
     parser.add_argument("--cache", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--epochs", type=int, default=1000)

@@ -1,6 +1,6 @@
 """Interleaved A/B of read-path variants: `image-edit-data bench` in a fresh process per variant and round.
 
-Usage: python scripts/bench_ab.py ROUNDS CACHE... [-- BENCH OPTIONS]
+Usage: python -m benchmarks.ab ROUNDS CACHE... [-- BENCH OPTIONS]
 
 Each variant is a set of environment variables read once per process. Every round runs every
 variant once, in an order rotated round by round, so a slow spell of the shared machine hits them

@@ -12,13 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..index.store import open_index
-from ..payload.payload import load_payload
-from ..preprocess.tools.pack import pack_cache
+from support.local_s3 import Endpoint, LocalS3, boto3_options, make_bucket, upload_directory
+
+from image_edit_data.bench.synthetic import synthetic_spec, write_synthetic_cache
+from image_edit_data.index.store import open_index
+from image_edit_data.payload.payload import load_payload
+from image_edit_data.preprocess.tools.pack import pack_cache
+
 from .litdata_side import write_litdata
-from .local_s3 import Endpoint, LocalS3, boto3_options, make_bucket, upload_directory
 from .sample_digest import payload_tensors, sample_digest, sample_number
-from .synthetic import synthetic_spec, write_synthetic_cache
 
 BUCKET = "versus-litdata"
 

@@ -1,6 +1,6 @@
 """`image-edit-data stress`: DDP fits with loader workers over many epoch changes; reports epochs done and time.
 
-Each run is `bench/stress_fit.py` in a process group of its own. A run whose ranks all stop making
+Each run is `benchmarks/stress/fit.py` in a process group of its own. A run whose ranks all stop making
 progress for `--hang-after` seconds is counted as a hang: its stacks are left in its log, and the
 group is killed. The result is a table (and `--json`): per run, the epochs each rank finished,
 the wall time and the time per epoch change.
@@ -22,7 +22,8 @@ from jsonargparse import ActionYesNo, ArgumentParser
 from rich.console import Console
 from rich.table import Table
 
-from .paths import resolve_path_options
+from benchmarks import child_environment
+from image_edit_data.bench.paths import resolve_path_options
 
 
 @dataclass
@@ -43,7 +44,7 @@ class StressRun:
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(
-        prog="image-edit-data stress",
+        prog="python -m benchmarks.stress",
         description="Run DDP fits with loader workers over many epoch changes and report hangs, epochs and time.",
         exit_on_error=False,
     )
@@ -83,7 +84,7 @@ def run_once(number: int, cache: Path, directory: Path, options: dict, console: 
     """One stress fit, watched for progress; killed (and counted as a hang) if it stops moving."""
     directory.mkdir(parents=True, exist_ok=True)
     command = [
-        sys.executable, "-m", "image_edit_data.bench.stress_fit",
+        sys.executable, "-m", "benchmarks.stress.fit",
         "--cache", str(cache), "--out", str(directory), "--epochs", str(options["epochs"]),
         "--devices", str(options["devices"]), "--num-workers", str(options["num_workers"]),
         "--batch-size", str(options["batch_size"]), "--multiprocessing-context", options["multiprocessing_context"],
@@ -91,7 +92,9 @@ def run_once(number: int, cache: Path, directory: Path, options: dict, console: 
     started = last_move = time.monotonic()
     seen = progress(directory, options["devices"])
     with open(directory / "log.txt", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=child_environment()
+        )
         hung = False
         while process.poll() is None:
             time.sleep(1.0)
@@ -120,7 +123,7 @@ def stress_main(argv: list[str]) -> int:
     except Exception as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 2
-    from ..preprocess.demo_cache import write_demo_cache
+    from image_edit_data.preprocess.demo_cache import write_demo_cache
 
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="image-edit-data-stress-"))
     cache = root / "cache"

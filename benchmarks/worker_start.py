@@ -7,7 +7,7 @@ script has) builds our loader with `--num-workers` workers and times:
 - an epoch change on a running pool (the next pass's first batch),
 each the median of `--rounds` fresh processes. Prints a table; `--json` keeps the numbers.
 
-    python scripts/bench_worker_start.py [--rounds 5] [--num-workers 2]
+    python -m benchmarks.worker_start [--rounds 5] [--num-workers 2]
 """
 
 from __future__ import annotations
