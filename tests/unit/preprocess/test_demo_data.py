@@ -130,6 +130,19 @@ def test_image_encoder_gives_float32_latents_one_eighth_the_size() -> None:
     assert encoder.decode(latents).shape == (2, 3, 64, 96)
 
 
+def test_an_image_gets_the_same_latents_bit_for_bit_whatever_is_encoded_beside_it() -> None:
+    """Builds group images differently (one process against ranks, batch sizes): the demo cache must not change.
+    Small images are where a float32 kernel's summation order followed the patch count of the call."""
+    encoder = DemoImageEncoder()
+    generator = torch.Generator().manual_seed(0)
+    for height, width in ((8, 8), (16, 16), (16, 32), (32, 16), (40, 24)):
+        images = torch.rand(8, 3, height, width, generator=generator) * 2 - 1
+        alone = [encoder.encode(images[i : i + 1])[0] for i in range(len(images))]
+        for count in range(2, len(images) + 1):
+            together = encoder.encode(images[:count])
+            assert all(torch.equal(alone[i], together[i]) for i in range(count)), (height, width, count)
+
+
 def test_decoding_demo_latents_gives_back_images_close_to_the_originals() -> None:
     # Flat patches come back exactly; only 8x8 patches that cross a shape edge are blurred. On the
     # [-1, 1] scale the mean absolute error over a demo image is about 0.03 and at worst about 0.11,

@@ -52,7 +52,7 @@ def _patch_basis(channels: int, n: int) -> torch.Tensor:
     dct = _dct_basis(n)
     order = sorted(((u + v) * (1 if c == 0 else 2), c, u, v) for c in range(3) for u in range(n) for v in range(n))
     filters = [_COLOUR_AXES[c][:, None, None] * torch.outer(dct[u], dct[v])[None] for _, c, u, v in order[:channels]]
-    return torch.stack(filters).reshape(channels, 3 * n * n).to(torch.float32)
+    return torch.stack(filters).reshape(channels, 3 * n * n)
 
 
 def _check_images(images: torch.Tensor, factor: int) -> None:
@@ -97,8 +97,10 @@ class DemoImageEncoder:
         basis = self._basis.to(images.device)
         # A 2-D matmul over flattened patches, not a strided conv or a batched matmul on a permuted view:
         # same numbers, but those two are far slower on small CPU batches when threads are contended.
+        # In float64, rounded once to float32: a float32 kernel's summation order depends on how many patches
+        # one call holds, so an image's latents would change in their last bits with the images encoded beside it.
         patches = images.to(basis.dtype).reshape(b, 3, h, f, w, f).permute(0, 2, 4, 1, 3, 5).reshape(b * h * w, -1)
-        latents = patches @ basis.T / DEMO_LATENT_SCALE
+        latents = (patches @ basis.T / DEMO_LATENT_SCALE).to(torch.float32)
         return latents.reshape(b, h, w, -1).permute(0, 3, 1, 2).contiguous()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -114,7 +116,7 @@ class DemoImageEncoder:
         # The basis rows are orthonormal, so multiplying by the basis itself inverts `encode` on their span.
         patches = (latents.to(basis.dtype).permute(0, 2, 3, 1).reshape(b * h * w, -1) * DEMO_LATENT_SCALE) @ basis
         images = patches.reshape(b, h, w, 3, f, f).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, h * f, w * f)
-        return images.clamp(-1.0, 1.0)
+        return images.clamp(-1.0, 1.0).to(torch.float32)
 
 
 def pil_to_tensor(image: Image.Image) -> torch.Tensor:
