@@ -30,8 +30,12 @@ def text(path: Path, content: str) -> Path:
     return path
 
 
-def build(out: Path, *source: str, expect: int = 0) -> Path:
-    """`cache build OUT <source options>` in this process with the demo encoders; asserts its exit code."""
+def build(out: Path, *source: str, expect: int = 0, batch_size: int = 2) -> Path:
+    """`cache build OUT <source options>` in this process with the demo encoders; asserts its exit code.
+
+    Builds compared bit for bit that group images differently (ranks against one process) take `batch_size=1`:
+    a float result repeats only at the same shapes (CONTRIBUTING.md, "Floating-point comparisons").
+    """
     args = [
         "build",
         str(out),
@@ -43,7 +47,7 @@ def build(out: Path, *source: str, expect: int = 0) -> Path:
         "--text-encoder.dim",
         "8",
         "--batch-size",
-        "2",
+        str(batch_size),
         "--num-workers",
         "1",
         "--quiet",
