@@ -88,7 +88,12 @@ def add_source_arguments(parser: ArgumentParser) -> None:
         default=None,
         help="With --dataset: that set's column mapping (replaces the column options below).",
     )
-    group.add_argument("--split", type=str | None, default=None, help="Split of a DatasetDict.")
+    group.add_argument(
+        "--split",
+        type=str | None,
+        default=None,
+        help="Split to read: required when the data set holds several (parquet folders split by the hub's naming).",
+    )
     group.add_argument("--target-column", type=str, default="target_img", help="Target image column.")
     group.add_argument(
         "--context-columns", type=list[str], default=["source_img"], help="Context columns, e.g. '[a,b]'."

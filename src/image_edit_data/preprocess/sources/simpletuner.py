@@ -30,6 +30,7 @@ schedules, caption shuffles and filters, aspect-ratio bucket filters, regularisa
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -129,7 +130,7 @@ def _pairing(entry: ImageSet, target: Path, references: Mapping[str, Path], expe
         control = references[ref] / relative
         if not control.is_file():
             near = (
-                sorted(p.name for p in control.parent.glob(glob_escape(control.stem) + ".*"))
+                sorted(p.name for p in control.parent.glob(glob.escape(control.stem) + ".*"))
                 if control.parent.is_dir()
                 else []
             )
@@ -144,8 +145,3 @@ def _pairing(entry: ImageSet, target: Path, references: Mapping[str, Path], expe
     except BadSampleError as error:
         return Pairing(where, relative, error=error)
     return Pairing(where, relative, target, tuple(contexts), prompt)
-
-
-def glob_escape(text: str) -> str:
-    """`text` with glob's special characters escaped."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
