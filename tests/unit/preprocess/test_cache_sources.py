@@ -259,9 +259,10 @@ def test_hf_source_refuses_unknown_columns_and_splits(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"split: expected one of \['test', 'train'\], got 'dev'"):
         HFDatasetSource(tmp_path / "dd", "a", ["a"], "a", split="dev")
     assert len(HFDatasetSource(tmp_path / "dd", "a", ["a"], "a", split="test")) == 1
-    rows.save_to_disk(tmp_path / "one")  # one Dataset, no split name: --split cannot pick one
-    with pytest.raises(ValueError, match=r"split: 'train' asked for, but the data set has no named splits"):
-        HFDatasetSource(tmp_path / "one", "a", ["a"], "a", split="train")
+    rows.save_to_disk(tmp_path / "one")  # one Dataset without a split name: the datasets library's train
+    assert HFDatasetSource(tmp_path / "one", "a", ["a"], "a", split="train").split == "train"
+    with pytest.raises(ValueError, match=r"split: 'test' asked for, but the data set has no split names"):
+        HFDatasetSource(tmp_path / "one", "a", ["a"], "a", split="test")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .parquet files here"):
         HFDatasetSource(tmp_path / "empty", "a", ["a"], "a")

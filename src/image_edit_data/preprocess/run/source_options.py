@@ -2,8 +2,8 @@
 
 One of: a JSONL manifest, a local Hugging Face data set (columns mapped by hand or by a preset), a
 musubi-tuner dataset config, an ai-toolkit job config, a SimpleTuner multidatabackend.json, or DiffSynth-Studio
-metadata. A trainer's config
-with several data sets opens as several `ConfigDataset`s, built one cache each (`--dataset-index` picks one).
+metadata. A trainer's config with several data sets opens as several `ConfigDataset`s, built one cache each
+(`--dataset-index` picks one).
 """
 
 from __future__ import annotations

@@ -129,12 +129,14 @@ class HFDatasetSource:
                 split = choose_split(self.name, list(loaded), split)
                 loaded = loaded[str(split)]
             else:
-                split = choose_split(self.name, [None if loaded.split is None else str(loaded.split)], split)
+                key = choose_split(self.name, [None if loaded.split is None else str(loaded.split)], split)
+                split = split if key is None else key
         else:
             root = self.path if self.path.is_dir() else self.path.parent
             by_split = parquet_splits(root, parquet_files(self.path))
-            split = choose_split(self.name, list(by_split), split)
-            loaded = datasets.Dataset.from_parquet([str(p) for p in by_split[split]], cache_dir=hf_cache_dir)
+            key = choose_split(self.name, list(by_split), split)
+            loaded = datasets.Dataset.from_parquet([str(p) for p in by_split[key]], cache_dir=hf_cache_dir)
+            split = split if key is None else key
         self.split = split
         present, optional = set(loaded.column_names), set(optional_columns)
         metadata_columns = [c for c in metadata_columns if c in present or c not in optional]

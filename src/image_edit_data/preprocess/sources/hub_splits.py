@@ -9,7 +9,8 @@ so the files are grouped by the hub's naming rules before any row is read, first
 3. the `datasets` library's split keywords in a folder name, then in a file name (`train/`, `test.parquet`,
    `part-val-0.parquet`), grouped as it groups them: `train`/`training` as `train`;
    `validation`/`valid`/`dev`/`val` as `validation`; `test`/`testing`/`eval`/`evaluation` as `test`;
-4. otherwise the files are one set without a split name.
+4. otherwise the files are one set without a split name, which the `datasets` library calls `train`
+   (so `--split train` reads it, and any other split name is refused).
 
 Where the `datasets` library would quietly leave out files that fit none of its rule's splits, a file that
 carries no split name beside files that do is refused here, as is a file whose name fits two splits.
@@ -111,7 +112,8 @@ def parquet_splits(root: Path, files: Sequence[Path]) -> dict[str | None, list[P
 
 
 def choose_split(name: str, available: Sequence[str | None], split: str | None) -> str | None:
-    """The split to read: `split` if the data set has it, its only split if none is asked; else a clear error."""
+    """The key of the split to read (None: the set without split names): `split` if the data set has it, its only
+    split if none is asked (`train` names a set without split names, as in `datasets`); else a clear error."""
     named = sorted(s for s in available if s is not None)
     if split is None:
         if len(available) == 1:
@@ -120,8 +122,11 @@ def choose_split(name: str, available: Sequence[str | None], split: str | None) 
     if split in available:
         return split
     if not named:
+        if split == "train":
+            return None
         raise ValueError(
-            f"{name}: split: {split!r} asked for, but the data set has no named splits (leave --split out)"
+            f"{name}: split: {split!r} asked for, but the data set has no split names (the `datasets` library calls "
+            "such a set train)"
         )
     hint = ""
     if split in KEYWORDS and KEYWORDS[split] in named and KEYWORDS[split] != split:

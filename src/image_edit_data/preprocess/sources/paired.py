@@ -5,7 +5,7 @@ list of `Pairing`s: the files of one example, or the `BadSampleError` that says 
 `PairedFileSource` reads them by position like any `EditSource`; its images open in `read`, so an unreadable
 file is a bad sample of its own. Files the layout names but pairs with nothing (a control image without a
 target) come after the examples as positions that always raise, so a build stops on them or counts them.
-A config naming several data sets (musubi-tuner's TOML, ai-toolkit's YAML) opens as `ConfigDataset`s.
+A config naming several data sets (musubi-tuner's, ai-toolkit's, SimpleTuner's) opens as `ConfigDataset`s.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class ConfigDataset:
 
     name: str  # unique within the config, usable as a directory name
     source: EditSource
-    repeats: int  # the trainer's copies of each sample per epoch (its repeats, times its resolutions for ai-toolkit)
+    repeats: int  # passes over each sample per epoch (ai-toolkit: x its resolutions; SimpleTuner: 1 + repeats)
     why: str  # how `repeats` follows from the config, e.g. "num_repeats 2"
 
 
