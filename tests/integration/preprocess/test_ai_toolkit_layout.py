@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 from support.peers import assert_same_cache, build, image, manifest, text
 
 from image_edit_data import ImageEditDataModule
@@ -148,3 +150,184 @@ def test_options_that_pair_files_otherwise_are_refused_naming_them(tmp_path: Pat
     config = job(tmp_path / "j.yaml", [{"folder_path": str(targets), "control_path": str(tmp_path / "nope")}])
     with pytest.raises(FileNotFoundError, match="control_path: .*nope is not a directory"):
         read_config(config)
+
+
+KONTEXT_EXAMPLE = """\
+# Shaped like ai-toolkit's config/examples/train_lora_flux_kontext_24gb.yaml, with flip_x, an environment
+# variable and [name] in the paths.
+job: extension
+config:
+  name: "my_first_flux_kontext_lora_v1"
+  process:
+    - type: 'sd_trainer'
+      training_folder: "output"
+      device: cuda:0
+      trigger_word: "p3r5on"
+      network: {type: "lora", linear: 16, linear_alpha: 16}
+      datasets:
+        - folder_path: "${AITK_DATA}/[name]/images"
+          control_path: "${AITK_DATA}/[name]/control"
+          caption_ext: "txt"
+          caption_dropout_rate: 0.05
+          shuffle_tokens: false
+          cache_latents_to_disk: true
+          flip_x: true
+          resolution: [ 512, 768 ]
+      train: {batch_size: 1, steps: 3000, lr: 1e-4, dtype: bf16}
+      model:
+        name_or_path: "black-forest-labs/FLUX.1-Kontext-dev"
+        arch: "flux_kontext"
+        quantize: true
+meta:
+  name: "[name]"
+  version: '1.0'
+"""
+
+
+def mirror_copies(root: Path, items: list[tuple[str, str, Path, list[Path]]], axes: str, controls: bool) -> list:
+    """Manifest rows for the copies ai-toolkit adds, with images this test mirrors itself (PIL, not the route)."""
+    rows = []
+    for sample_id, prompt, target, contexts in items:
+
+        def mirrored(path: Path) -> Path:
+            picture = Image.open(path).convert("RGB")
+            for axis in axes:
+                picture = picture.transpose(Image.FLIP_LEFT_RIGHT if axis == "x" else Image.FLIP_TOP_BOTTOM)
+            out = root / f"{path.parent.name}_{path.stem}_{axes}.png"
+            picture.save(out)
+            return out
+
+        flipped = [mirrored(c) for c in contexts] if controls else contexts
+        suffix = "".join(f"#flip_{axis}" for axis in axes)
+        rows.append((sample_id + suffix, prompt, mirrored(target), flipped, {f"flip_{axis}": True for axis in axes}))
+    return rows
+
+
+def test_ai_toolkits_kontext_example_with_flip_x_builds_each_item_and_its_mirror_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "data" / "my_first_flux_kontext_lora_v1"  # ${AITK_DATA}/[name]
+    targets, control, _ = kontext_folders(root)
+    targets = targets.rename(root / "images")  # the example's folder name
+    monkeypatch.setenv("AITK_DATA", str(tmp_path / "data"))
+    config = tmp_path / "train_lora_flux_kontext_24gb.yaml"
+    config.write_text(KONTEXT_EXAMPLE)
+    originals = [
+        ("a", "p3r5on make it red,  add a hat\n", targets / "a.jpg", [control / "a.png"]),
+        ("b", "p3r5on on a beach", targets / "b.png", [control / "b.png"]),
+    ]
+    (targets / "sub" / "c.txt").write_text("a sketch")
+    originals.append(("sub/c", "p3r5on a sketch", targets / "sub" / "c.webp", [control / "c.png"]))
+    (tmp_path / "mirrored").mkdir()
+    copies = mirror_copies(tmp_path / "mirrored", originals, "x", controls=True)  # Kontext mirrors its controls too
+    rows = [(*o, {}) for o in originals] + copies
+    reference = manifest(tmp_path / "m.jsonl", [r[:4] for r in rows], [r[4] for r in rows])
+    out = build(tmp_path / "out", "--ai-toolkit-config", str(config))
+    assert_same_cache(out / "0_images", build(tmp_path / "ref", "--manifest", str(reference)), media=False)
+    # ai-toolkit's items per epoch, counted from its loader: 3 images x num_repeats 1 x 2 (flip_x) x 2 resolutions.
+    items_per_epoch = 3 * 1 * 2 * 2
+    mixture = yaml.safe_load((out / "mixture.yaml").read_text())["data"]
+    assert mixture["samples_per_epoch"] == items_per_epoch
+    data = ImageEditDataModule(**mixture, batch_size=4, num_workers=0, drop_last=False, shuffle=False)
+    data.setup("fit")
+    assert sum(len(batch["metadata"]["sources"]) for batch in data.train_dataloader()) == items_per_epoch
+
+
+QWEN_EDIT_EXAMPLE = """\
+# Shaped like ai-toolkit's config/examples/train_lora_qwen_image_edit_2509_32gb.yaml: a list of control folders,
+# here with flip_x and flip_y and two repeats.
+job: extension
+config:
+  name: "my_first_qwen_image_edit_2509_lora_v1"
+  process:
+    - type: 'diffusion_trainer'
+      datasets:
+        - folder_path: "{targets}"
+          control_path:
+            - "{first}"
+            - "{second}"
+          caption_ext: "txt"
+          default_caption: "a person"
+          caption_dropout_rate: 0.05
+          resolution: [ 512, 768, 1024 ]
+          num_repeats: 2
+          flip_x: true
+          flip_y: true
+      model:
+        name_or_path: "Qwen/Qwen-Image-Edit-2509"
+        arch: "qwen_image_edit_plus"
+"""
+
+
+def test_qwen_edit_plus_flips_leave_its_raw_control_images_unmirrored(tmp_path: Path) -> None:
+    targets, first, second = kontext_folders(tmp_path)
+    config = tmp_path / "qwen.yaml"
+    config.write_text(QWEN_EDIT_EXAMPLE.format(targets=targets, first=first, second=second))
+    originals = [
+        ("a", "make it red,  add a hat\n", targets / "a.jpg", [first / "a.png", second / "a.jpg"]),
+        ("b", " on a beach", targets / "b.png", [first / "b.png", second / "b.jpg"]),
+        ("sub/c", "a person", targets / "sub" / "c.webp", [first / "c.png", second / "c.jpg"]),
+    ]
+    (tmp_path / "mirrored").mkdir()
+    rows = [(*o, {}) for o in originals]
+    for axes in ("x", "y", "xy"):  # ai-toolkit's blocks: originals, x copies, y copies of both
+        rows += mirror_copies(tmp_path / "mirrored", originals, axes, controls=False)
+    reference = manifest(tmp_path / "m.jsonl", [r[:4] for r in rows], [r[4] for r in rows])
+    out = build(tmp_path / "out", "--ai-toolkit-config", str(config), "--dataset-index", "0")
+    assert_same_cache(out, build(tmp_path / "ref", "--manifest", str(reference)), media=False)
+    dataset = read_config(config)[0]
+    # ai-toolkit's items per epoch: 3 images x num_repeats 2 x 4 (flip_x, flip_y) x 3 resolutions.
+    assert len(dataset.source) * dataset.repeats == 3 * 2 * 4 * 3
+
+
+def test_the_legacy_caption_type_is_used_as_written_without_a_dot(tmp_path: Path) -> None:
+    targets, first, _ = kontext_folders(tmp_path)
+    text(
+        targets / "bcap", "from bcap"
+    )  # b.png's caption when caption_type is "cap": "b" + "cap", as ai-toolkit joins it
+    datasets = [
+        {"folder_path": str(targets), "control_path": str(first), "caption_type": "cap", "default_caption": "d"}
+    ]
+    source = read_config(job(tmp_path / "j.yaml", datasets, trigger=None))[0].source
+    assert [source.read(i).sample.prompt for i in range(3)] == ["d", "from bcap", "d"]
+    datasets[0]["caption_type"] = ".txt"
+    source = read_config(job(tmp_path / "j.yaml", datasets, trigger=None))[0].source
+    assert source.read(0).sample.prompt == "make it red,  add a hat\n"
+    del datasets[0]["default_caption"]
+    datasets[0]["caption_type"] = "txt"
+    with pytest.raises(BadSampleError, match=r"atxt does not exist .*\(caption_type 'txt' is used as written"):
+        read_config(job(tmp_path / "j.yaml", datasets, trigger=None))[0].source.read(0)
+
+
+def test_ai_toolkit_config_files_are_refused_where_ai_toolkit_refuses_them(tmp_path: Path) -> None:
+    targets, first, _ = kontext_folders(tmp_path)
+    config = tmp_path / "j.yaml"
+    config.write_text(
+        "job: extension\nconfig:\n  name: x\n  process:\n    - datasets:\n        - folder_path: ${NOPE_UNSET}\n"
+    )
+    with pytest.raises(ValueError, match=r"j\.yaml: \$\{NOPE_UNSET\}: environment variable NOPE_UNSET is not set"):
+        read_config(config)
+    config.write_text("job: extension\nconfig:\n  process: []\n")
+    with pytest.raises(ValueError, match=r"config\.name: ai-toolkit needs a name"):
+        read_config(config)
+    (tmp_path / "j.toml").write_text("")
+    with pytest.raises(
+        ValueError, match=r"j\.toml: ai-toolkit reads a job config from a \.yaml, \.yml, \.json or \.jsonc"
+    ):
+        read_config(tmp_path / "j.toml")
+    as_json = {
+        "job": "extension",
+        "config": {
+            "name": "n",
+            "process": [
+                {
+                    "datasets": [
+                        {"folder_path": str(targets).replace(str(tmp_path), "[name]"), "control_path": str(first)}
+                    ]
+                }
+            ],
+        },
+    }
+    (tmp_path / "n").symlink_to(tmp_path)  # [name] -> n, a link back to tmp_path
+    (tmp_path / "j.json").write_text(json.dumps(as_json).replace('"[name]', f'"{tmp_path}/[name]'))
+    assert read_config(tmp_path / "j.json")[0].source.folder == tmp_path / "n" / "targets"

@@ -92,3 +92,26 @@ def test_bad_diffsynth_rows_are_bad_samples_naming_file_and_row(tmp_path: Path, 
     with pytest.raises(BadSampleError, match=r"m\.csv row 0 \(line 2\): edit_image: .* looks like a list"):
         DiffSynthSource(base / "m.csv").read(0)
     build(tmp_path / "stop", "--diffsynth-metadata", str(base / "m.jsonl"), "--controls-per-sample", "1", expect=1)
+
+
+def test_a_csv_saved_by_excel_with_a_byte_order_mark_reads_as_pandas_reads_it(tmp_path: Path, base: Path) -> None:
+    # DiffSynth's CSV example (docs/en/API_Reference/core/data.md: image, a quoted prompt) with the edit_image column
+    # its Qwen-Image-Edit training reads (--data_file_keys "image,edit_image"), saved as Excel's "CSV UTF-8" saves:
+    # a byte-order mark and CRLF line ends.
+    text = (
+        'image,prompt,edit_image\r\nimage_0.jpg,"make it red, then blue",edit/in_0.png\r\n'
+        "image_1.jpg,add a cat,edit/in_1.png\r\n"
+    )
+    (base / "metadata.csv").write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    expected = [
+        ("image_0.jpg", "make it red, then blue", base / "image_0.jpg", [base / "edit" / "in_0.png"]),
+        ("image_1.jpg", "add a cat", base / "image_1.jpg", [base / "edit" / "in_1.png"]),
+    ]
+    reference = build(tmp_path / "ref", "--manifest", str(manifest(tmp_path / "m.jsonl", expected, [{}, {}])))
+    assert_same_cache(build(tmp_path / "csv", "--diffsynth-metadata", str(base / "metadata.csv")), reference)
+    # DiffSynth's JSON readers (json.load, json.loads per line) refuse the mark; so does this route, naming the file.
+    (base / "metadata.json").write_bytes(
+        b"\xef\xbb\xbf" + b'[{"image": "image_0.jpg", "prompt": "x", "edit_image": "a"}]'
+    )
+    with pytest.raises(ValueError, match=r"metadata\.json: not valid JSON \(Unexpected UTF-8 BOM"):
+        DiffSynthSource(base / "metadata.json")

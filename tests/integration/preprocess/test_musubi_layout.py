@@ -208,14 +208,100 @@ def test_a_musubi_config_builds_across_ranks_and_resumes_to_the_single_process_c
         f'[[datasets]]\nimage_directory = "{images}"\ncontrol_directory = "{controls}"\ncaption_extension = ".txt"\n'
         f"num_repeats = 2\n",
     )
-    single = build(tmp_path / "one", "--musubi-config", str(config))
+    single = build(tmp_path / "one", "--musubi-config", str(config), batch_size=1)
     ranks = tmp_path / "two"
-    build(ranks, "--musubi-config", str(config), "--rank", "1", "--world-size", "2")  # rank 1 first: no merge
+    build(
+        ranks, "--musubi-config", str(config), "--rank", "1", "--world-size", "2", batch_size=1
+    )  # rank 1 first: no merge
     assert not (ranks / "mixture.yaml").exists(), "rank 0 writes the mixture once the caches are merged"
-    build(ranks, "--musubi-config", str(config), "--rank", "0", "--world-size", "2", "--poll-interval", "0.05")
+    build(
+        ranks,
+        "--musubi-config",
+        str(config),
+        "--rank",
+        "0",
+        "--world-size",
+        "2",
+        "--poll-interval",
+        "0.05",
+        batch_size=1,
+    )
     assert_same_cache(ranks / "0_images", single / "0_images")
     assert (ranks / "mixture.yaml").read_text() == (single / "mixture.yaml").read_text().replace(
         str(single), str(ranks)
     )
-    build(single, "--musubi-config", str(config))  # a rerun finds every sample done and changes nothing
+    build(single, "--musubi-config", str(config), batch_size=1)  # a rerun finds every sample done and changes nothing
     assert_same_cache(single / "0_images", ranks / "0_images")
+
+
+def qwen_edit_docs_config(images: Path, controls: Path, cache: Path) -> str:
+    """A dataset config shaped like musubi-tuner's Qwen-Image-Edit example (docs/dataset_config.md before the keys were
+    renamed): [general] defaults, one control dataset, and the two Qwen-Image-Edit keys musubi still maps."""
+    return (
+        "[general]\n"
+        "resolution = [960, 544]\n"
+        'caption_extension = ".txt"\n'
+        "batch_size = 1\n"
+        "enable_bucket = true\n"
+        "bucket_no_upscale = false\n\n"
+        "[[datasets]]\n"
+        f'image_directory = "{images}"\n'
+        f'control_directory = "{controls}"\n'
+        f'cache_directory = "{cache}"\n'
+        "num_repeats = 1\n"
+        "qwen_image_edit_no_resize_control = false\n"
+        "qwen_image_edit_control_resolution = [1024, 1024]\n"
+    )
+
+
+def test_musubis_deprecated_keys_and_json_configs_build_the_cache_of_its_manifest(tmp_path: Path) -> None:
+    images, controls = edit_directory(tmp_path)
+    expected = [  # musubi's pairing of edit_directory (see the first test)
+        ("a", "edit a.png", images / "a.png", [controls / "a.png"]),
+        ("b", "edit b.jpg", images / "b.jpg", [controls / "b_0.png", controls / "b_1.jpg"]),
+        ("c", "edit c.png", images / "c.png", [controls / "c.jpg", controls / "c_0001.png"]),
+        ("d", "edit d.png", images / "d.png", [controls / "d.png"]),
+        ("d_1", "edit d_1.png", images / "d_1.png", [controls / "d_1.png", controls / "d_1_0.png"]),
+    ]
+    reference = build(tmp_path / "ref", "--manifest", str(manifest(tmp_path / "m.jsonl", expected)))
+    qwen = toml(tmp_path / "qwen.toml", qwen_edit_docs_config(images, controls, tmp_path / "cache"))
+    assert_same_cache(build(tmp_path / "qwen", "--musubi-config", str(qwen), "--dataset-index", "0"), reference)
+    kontext = toml(  # FLUX.1 Kontext's old key, in a [[datasets]] table, as musubi's Kontext section showed it
+        tmp_path / "kontext.toml",
+        f'[[datasets]]\nimage_directory = "{images}"\ncontrol_directory = "{controls}"\ncaption_extension = ".txt"\n'
+        "flux_kontext_no_resize_control = true\nno_resize_control = false\n",  # the old key beside the new: dropped
+    )
+    assert_same_cache(build(tmp_path / "kontext", "--musubi-config", str(kontext), "--dataset-index", "0"), reference)
+    as_json = {
+        "general": {"caption_extension": ".txt", "resolution": [960, 544]},
+        "datasets": [
+            {
+                "image_directory": str(images),
+                "control_directory": str(controls),
+                "qwen_image_edit_control_resolution": [1024, 1024],
+            }
+        ],
+    }
+    (tmp_path / "dataset.JSON").write_text(json.dumps(as_json))  # musubi takes the suffix in any case
+    config = str(tmp_path / "dataset.JSON")
+    assert_same_cache(build(tmp_path / "json", "--musubi-config", config, "--dataset-index", "0"), reference)
+
+
+def test_musubis_renamed_keys_are_held_to_its_schema(tmp_path: Path) -> None:
+    config = toml(tmp_path / "d.toml", "[general]\nqwen_image_edit_no_resize_control = true\n\n[[datasets]]\n")
+    with pytest.raises(
+        ValueError,
+        match=r"\[general\]: unknown key\(s\) \['no_resize_control \(written qwen_image_edit_no_resize_control\)'\]",
+    ):
+        read_config(config)  # musubi renames it, then its [general] schema refuses no_resize_control
+    toml(config, f'[[datasets]]\nimage_directory = "{tmp_path}"\nqwen_image_edit_control_resolution = "1024"\n')
+    with pytest.raises(
+        ValueError, match=r"\[\[datasets\]\] 0: control_resolution: expected a size or \[width, height\]"
+    ):
+        read_config(config)
+    (tmp_path / "d.yaml").write_text("datasets: []\n")
+    with pytest.raises(ValueError, match=r"d\.yaml: musubi-tuner reads a dataset config from a \.toml or \.json file"):
+        read_config(tmp_path / "d.yaml")
+    (tmp_path / "d.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"d\.json: not valid JSON"):
+        read_config(tmp_path / "d.json")

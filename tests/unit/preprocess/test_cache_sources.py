@@ -254,8 +254,15 @@ def test_hf_source_refuses_unknown_columns_and_splits(tmp_path: Path) -> None:
         HFDatasetSource(path, "edited_image", ["source_img"], "instruction", hf_cache_dir=str(tmp_path / "hf"))
     rows = datasets.Dataset.from_dict({"a": [1]})
     datasets.DatasetDict({"train": rows, "test": rows}).save_to_disk(tmp_path / "dd")
-    with pytest.raises(ValueError, match=r"split: expected one of \['test', 'train'\], got None"):
+    with pytest.raises(ValueError, match=r"holds the splits \['test', 'train'\]; choose one with --split"):
         HFDatasetSource(tmp_path / "dd", "a", ["a"], "a")
+    with pytest.raises(ValueError, match=r"split: expected one of \['test', 'train'\], got 'dev'"):
+        HFDatasetSource(tmp_path / "dd", "a", ["a"], "a", split="dev")
+    assert len(HFDatasetSource(tmp_path / "dd", "a", ["a"], "a", split="test")) == 1
+    rows.save_to_disk(tmp_path / "one")  # one Dataset without a split name: the datasets library's train
+    assert HFDatasetSource(tmp_path / "one", "a", ["a"], "a", split="train").split == "train"
+    with pytest.raises(ValueError, match=r"split: 'test' asked for, but the data set has no split names"):
+        HFDatasetSource(tmp_path / "one", "a", ["a"], "a", split="test")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .parquet files here"):
         HFDatasetSource(tmp_path / "empty", "a", ["a"], "a")

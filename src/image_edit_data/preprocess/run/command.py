@@ -176,7 +176,7 @@ def build_datasets(
 ) -> int:
     """A trainer's whole config: one cache per data set under `out_dir`, then (rank 0) `out_dir/mixture.yaml`."""
     root = Path(args.out_dir).expanduser().resolve()
-    origin = args.musubi_config or args.ai_toolkit_config
+    origin = args.musubi_config or args.ai_toolkit_config or args.simpletuner_config
     built = []
     for number, dataset in enumerate(datasets, start=1):
         console.print(f"data set {number}/{len(datasets)}: {dataset.name} ({dataset.why})", highlight=False)

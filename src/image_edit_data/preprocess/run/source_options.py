@@ -1,8 +1,9 @@
 """The `cache build` options that say where raw examples come from, and the source (or sources) they open.
 
 One of: a JSONL manifest, a local Hugging Face data set (columns mapped by hand or by a preset), a
-musubi-tuner dataset config, an ai-toolkit job config, or DiffSynth-Studio metadata. A trainer's config
-with several data sets opens as several `ConfigDataset`s, built one cache each (`--dataset-index` picks one).
+musubi-tuner dataset config, an ai-toolkit job config, a SimpleTuner multidatabackend.json, or DiffSynth-Studio
+metadata. A trainer's config with several data sets opens as several `ConfigDataset`s, built one cache each
+(`--dataset-index` picks one).
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from ..sources.base import EditSource
 from ..sources.manifest import JsonlManifestSource
 from ..sources.paired import ConfigDataset
 
-ROUTES = ("manifest", "dataset", "musubi_config", "ai_toolkit_config", "diffsynth_metadata")
+ROUTES = ("manifest", "dataset", "musubi_config", "ai_toolkit_config", "simpletuner_config", "diffsynth_metadata")
+CONFIG_ROUTES = ("musubi_config", "ai_toolkit_config", "simpletuner_config")
 OPTION = {route: "--" + route.replace("_", "-") for route in ROUTES}
 
 
 def add_source_arguments(parser: ArgumentParser) -> None:
-    """Where raw examples come from: give exactly one of the first five options of this group."""
+    """Where raw examples come from: give exactly one of the first six options of this group."""
     group = parser.add_argument_group(
-        "source (give one of --manifest, --dataset, --musubi-config, --ai-toolkit-config, --diffsynth-metadata)"
+        "source (give one of --manifest, --dataset, --musubi-config, --ai-toolkit-config, --simpletuner-config, "
+        "--diffsynth-metadata)"
     )
     group.add_argument(
         "--manifest", type=str | None, default=None, help="JSONL manifest (NeMo generic image-edit form)."
@@ -32,13 +35,19 @@ def add_source_arguments(parser: ArgumentParser) -> None:
         "--musubi-config",
         type=str | None,
         default=None,
-        help="musubi-tuner dataset config (TOML): one cache per dataset.",
+        help="musubi-tuner dataset config (TOML or JSON): one cache per dataset.",
     )
     group.add_argument(
         "--ai-toolkit-config",
         type=str | None,
         default=None,
-        help="ai-toolkit job config (YAML): one cache per dataset.",
+        help="ai-toolkit job config (YAML or JSON): one cache per dataset.",
+    )
+    group.add_argument(
+        "--simpletuner-config",
+        type=str | None,
+        default=None,
+        help="SimpleTuner multidatabackend.json: one cache per image dataset, its conditioning_data the contexts.",
     )
     group.add_argument(
         "--diffsynth-metadata", type=str | None, default=None, help="DiffSynth-Studio metadata (.csv, .json, .jsonl)."
@@ -59,13 +68,19 @@ def add_source_arguments(parser: ArgumentParser) -> None:
         "--dataset-index",
         type=int | None,
         default=None,
-        help="Build only this [[datasets]] entry of a config (0-based).",
+        help="Build only this data set of a trainer's config (0-based).",
+    )
+    group.add_argument(
+        "--conditioning-multidataset-sampling",
+        type=Literal["combined", "random"] | None,
+        default=None,
+        help="SimpleTuner's option of that name: combined takes all of a dataset's conditioning_data as contexts.",
     )
     group.add_argument(
         "--controls-per-sample",
         type=int | None,
         default=None,
-        help="Refuse a musubi/ai-toolkit/DiffSynth example with another number of controls (1 for FLUX.1 Kontext).",
+        help="Refuse a trainer-config or DiffSynth example with another number of controls (1 for FLUX.1 Kontext).",
     )
     group.add_argument(
         "--hf-preset",
@@ -73,7 +88,12 @@ def add_source_arguments(parser: ArgumentParser) -> None:
         default=None,
         help="With --dataset: that set's column mapping (replaces the column options below).",
     )
-    group.add_argument("--split", type=str | None, default=None, help="Split of a DatasetDict.")
+    group.add_argument(
+        "--split",
+        type=str | None,
+        default=None,
+        help="Split to read: required when the data set holds several (parquet folders split by the hub's naming).",
+    )
     group.add_argument("--target-column", type=str, default="target_img", help="Target image column.")
     group.add_argument(
         "--context-columns", type=list[str], default=["source_img"], help="Context columns, e.g. '[a,b]'."
@@ -99,10 +119,11 @@ def open_sources(args: Namespace) -> EditSource | list[ConfigDataset]:
     route = given[0]
     if args.hf_preset is not None and route != "dataset":
         raise ValueError(f"--hf-preset: maps the columns of a --dataset, not of {OPTION[route]}")
-    if args.dataset_index is not None and route not in ("musubi_config", "ai_toolkit_config"):
-        raise ValueError(
-            f"--dataset-index: picks a data set of --musubi-config or --ai-toolkit-config, not {OPTION[route]}"
-        )
+    if args.dataset_index is not None and route not in CONFIG_ROUTES:
+        configs = ", ".join(OPTION[r] for r in CONFIG_ROUTES)
+        raise ValueError(f"--dataset-index: picks a data set of {configs}, not {OPTION[route]}")
+    if args.conditioning_multidataset_sampling is not None and route != "simpletuner_config":
+        raise ValueError(f"--conditioning-multidataset-sampling: is for --simpletuner-config, not {OPTION[route]}")
     if args.controls_per_sample is not None and args.controls_per_sample < 1:
         raise ValueError(f"--controls-per-sample: expected a positive integer, got {args.controls_per_sample}")
     if route == "manifest":
@@ -117,6 +138,11 @@ def open_sources(args: Namespace) -> EditSource | list[ConfigDataset]:
         from ..sources.musubi import read_config
 
         datasets = read_config(args.musubi_config, args.controls_per_sample)
+    elif route == "simpletuner_config":
+        from ..sources.simpletuner import read_config as read_simpletuner
+
+        sampling = args.conditioning_multidataset_sampling
+        datasets = read_simpletuner(args.simpletuner_config, args.controls_per_sample, sampling)
     else:
         from ..sources.ai_toolkit import read_config as read_ai_toolkit
 

@@ -1,17 +1,20 @@
-"""ai-toolkit's job config (YAML) as edit sources: each `datasets:` entry's folder of targets with its controls.
+"""ai-toolkit's job config (YAML or JSON) as edit sources: each `datasets:` entry's folder of targets with its controls.
 
 Read as ai-toolkit reads it (ostris/ai-toolkit `toolkit/config_modules.py` DatasetConfig, `toolkit/data_loader.py`,
 `toolkit/dataloader_mixins.py`):
 
+- the file is loaded as ai-toolkit loads it, `${VAR}` and `[name]` substituted (`ai_toolkit_file.py`);
 - the data sets are `config.process[*].datasets`; a process's `trigger_word` goes to those that set none;
 - targets are the `.jpg .jpeg .png .webp` files (any case) under `folder_path`, subfolders included, except
   hidden files and folders and `_controls` folders; they are ordered by path here (ai-toolkit shuffles);
-- the caption of `sub/name.png` is `sub/name<caption_ext>` (default `.txt`, a missing dot added), or
+- the caption of `sub/name.png` is `sub/name<caption_ext>` (default `.txt`, a missing dot added; the legacy
+  `caption_type`, when set, replaces it as written, without a dot added), or
   `default_caption` when the file is missing or empty; as ai-toolkit builds the prompt it sees, the text's
   commas are rejoined with `", "`, `[trigger]` and `[name]` become the trigger word, and a trigger word the
   caption lacks is put in front (`"<trigger> <caption>"`);
 - `control_path` (one folder or a list), replaced by `control_path_1..3` when any is set: in each folder the
   control of `name.png` is the first of `name.jpg`, `name.jpeg`, `name.png`, `name.webp`, in folder order;
+- `flip_x` / `flip_y` add mirrored copies of every example, which are samples of the cache (`flips.py`);
 - a data set appears `num_repeats` times per epoch, and once per entry of a `resolution` list.
 
 Stricter than ai-toolkit, each a bad sample naming the files: a target without a control in one of the
@@ -20,7 +23,7 @@ trains on an empty prompt), two controls for one place (`name.jpg` and `name.png
 from its target's name only in case, two targets sharing a name in different subfolders or extensions
 (they would share controls), and a control image no target claims. Options that pair files otherwise
 (`control_from_same_folder`, `mask_path`, `inpaint_path`, `is_reg`, a JSON `dataset_path`, ...) are refused;
-training-time randomness (caption dropout, shuffled tokens, flips) has no place in a cache and is not applied.
+training-time randomness (caption dropout, shuffled tokens) has no place in a cache and is not applied.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from . import ai_toolkit_file
 from .base import NO_CONTEXT
+from .flips import Flips
 from .paired import (
     AMBIGUOUS_NAME,
     CONTROL_COUNT,
@@ -48,6 +51,10 @@ from .paired import (
 )
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")  # ai-toolkit's order: the first found is the control
+# Models whose control images ai-toolkit passes unresized, which its loader therefore leaves unflipped.
+RAW_CONTROL_ARCHES = frozenset(
+    {"qwen_image_edit_plus", "flux2", "flux2_klein_4b", "flux2_klein_9b", "boogu_image_edit", "mageflow_edit"}
+) | {"minimax_h3_ref2va"}
 REFUSED = {
     "control_from_same_folder": "picks a random control from the target's folder",
     "mask_path": "is a loss mask folder this route does not read",
@@ -97,6 +104,7 @@ class AiToolkitSource(PairedFileSource):
         trigger: str | None,
         controls_per_sample: int | None,
         provenance: Mapping[str, Any],
+        flips: Flips | None = None,
     ) -> None:
         for name, path in [("folder_path", folder), *(("control_path", c) for c in control_folders)]:
             if not path.is_dir():
@@ -112,10 +120,12 @@ class AiToolkitSource(PairedFileSource):
             c: [p for p in c.iterdir() if p.is_file() and p.name.lower().endswith(EXTENSIONS)] for c in control_folders
         }
         self.claimed: set[Path] = set()
-        pairings = [
-            self._pairing(t, clashes, listings, caption_ext, default_caption, trigger, controls_per_sample)
-            for t in targets
-        ]
+        pairings = (flips or Flips()).copies(
+            [
+                self._pairing(t, clashes, listings, caption_ext, default_caption, trigger, controls_per_sample)
+                for t in targets
+            ]
+        )
         for files in listings.values():
             for control in sorted(set(files) - self.claimed):
                 problem = f"control image {control.name} matches no target under {folder} (same name, any extension)"
@@ -159,6 +169,8 @@ class AiToolkitSource(PairedFileSource):
             if default_caption is None:
                 what = "does not exist" if caption is None else "is empty"
                 problem = f"caption file {caption_file} {what} and the data set has no default_caption"
+                if not caption_ext.startswith("."):
+                    problem += f" (caption_type {caption_ext!r} is used as written: ai-toolkit adds no dot to it)"
                 return refused(where, stem, MISSING_CAPTION, problem)
             caption = default_caption
         sample_id = os.path.splitext(target.relative_to(self.folder).as_posix())[0]
@@ -168,28 +180,32 @@ class AiToolkitSource(PairedFileSource):
 def read_config(path: str | Path, controls_per_sample: int | None = None) -> list[ConfigDataset]:
     """Every `datasets:` entry of an ai-toolkit job config's processes, in order, as an edit source."""
     config_path = Path(path)
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path}: ai-toolkit config does not exist")
-    try:
-        job = yaml.safe_load(config_path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as error:
-        raise ValueError(f"{config_path}: not valid YAML ({error})") from None
-    processes = (job.get("config") or {}).get("process") if isinstance(job, dict) else None
+    job = ai_toolkit_file.load(config_path)
+    processes = job["config"].get("process")
     if not isinstance(processes, list):
         raise ValueError(f"{config_path}: expected config.process, a list of processes, as ai-toolkit jobs have")
     entries = []
     for p, process in enumerate(processes):
-        for d, entry in enumerate((process or {}).get("datasets") or []):
-            entries.append((f"{config_path}: config.process[{p}].datasets[{d}]", process.get("trigger_word"), entry))
+        process = process or {}
+        for d, entry in enumerate(process.get("datasets") or []):
+            entries.append((f"{config_path}: config.process[{p}].datasets[{d}]", process, entry))
     if not entries:
         raise ValueError(f"{config_path}: no process has datasets")
     return [
-        _dataset(i, where, trigger, entry, controls_per_sample) for i, (where, trigger, entry) in enumerate(entries)
+        _dataset(i, where, process, entry, controls_per_sample) for i, (where, process, entry) in enumerate(entries)
     ]
 
 
+def raw_control_images(process: Mapping[str, Any]) -> bool:
+    """Whether the process's model takes its control images unresized (and so unflipped), as ai-toolkit's
+    `use_raw_control_images` models do."""
+    model = process.get("model") or {}
+    arch = str(model.get("arch") or "").split(":")[0]
+    return arch in RAW_CONTROL_ARCHES or (arch == "krea2" and bool((model.get("model_kwargs") or {}).get("edit")))
+
+
 def _dataset(
-    index: int, where: str, process_trigger: str | None, entry: Any, controls_per_sample: int | None
+    index: int, where: str, process: Mapping[str, Any], entry: Any, controls_per_sample: int | None
 ) -> ConfigDataset:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected a mapping of dataset options, got {entry!r}")
@@ -204,8 +220,12 @@ def _dataset(
     folder = absolute(folder_value)
     if folder.is_file():
         raise ValueError(f"{where}: dataset_path {folder} is a JSON caption file; this route reads folders")
-    caption_ext = str(entry.get("caption_type") or entry.get("caption_ext") or ".txt")
-    caption_ext = caption_ext if caption_ext.startswith(".") else "." + caption_ext
+    caption_ext = entry.get("caption_ext", ".txt")
+    if caption_ext and isinstance(caption_ext, str) and not caption_ext.startswith("."):
+        caption_ext = "." + caption_ext  # ai-toolkit adds the dot to caption_ext, but not to the legacy caption_type
+    caption_ext = entry.get("caption_type") or caption_ext
+    if not isinstance(caption_ext, str):
+        raise ValueError(f"{where}: caption_ext: expected a file extension like .txt, got {caption_ext!r}")
     numbered = [entry.get(f"control_path_{n}") for n in (1, 2, 3)]
     control = [c for c in numbered if c] if any(numbered) else entry.get("control_path") or []
     control_folders = [absolute(c) for c in ([control] if isinstance(control, str) else control)]
@@ -213,12 +233,20 @@ def _dataset(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"{where}: num_repeats: expected a positive integer, got {repeats!r}")
     resolutions = len(resolution) if isinstance(resolution, list) else 1
-    trigger = entry.get("trigger_word") or process_trigger
-    provenance: dict[str, Any] = {"kind": "ai-toolkit", "config": where, "path": str(folder)}
+    trigger = entry.get("trigger_word") or process.get("trigger_word")
+    flips = Flips(bool(entry.get("flip_x")), bool(entry.get("flip_y")), not raw_control_images(process))
+    provenance: dict[str, Any] = {"kind": "ai-toolkit", "config": where, "path": str(folder), **flips.to_json()}
     if controls_per_sample is not None:
         provenance["controls_per_sample"] = controls_per_sample
     source = AiToolkitSource(
-        folder, control_folders, caption_ext, entry.get("default_caption"), trigger, controls_per_sample, provenance
+        folder,
+        control_folders,
+        caption_ext,
+        entry.get("default_caption"),
+        trigger,
+        controls_per_sample,
+        provenance,
+        flips,
     )
     why = f"num_repeats {repeats}" + (f" x {resolutions} resolutions" if resolutions > 1 else "")
     return ConfigDataset(dataset_name(index, folder), source, repeats * resolutions, why)

@@ -93,11 +93,12 @@ def row_index_of(source: EditSource, position: int) -> int:
     return int(lookup(position)) if callable(lookup) else position
 
 
-def open_image(data: bytes | str | Path, location: str, field: str) -> Image.Image:
-    """Decode an image file or bytes fully into RGB, honouring EXIF orientation."""
+def open_image(data: bytes | str | Path, location: str, field: str, mode: str | None = "RGB") -> Image.Image:
+    """Decode an image file or bytes fully into `mode` (None: its own mode, alpha kept), honouring EXIF orientation."""
     try:
         with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as opened:
-            image = ImageOps.exif_transpose(opened).convert("RGB")
+            upright = ImageOps.exif_transpose(opened)
+            image = upright.convert(mode) if mode is not None else upright.copy()
     except FileNotFoundError:
         raise BadSampleError(location, MISSING_IMAGE, f"{field}: file {str(data)!r} does not exist") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:

@@ -1,11 +1,11 @@
 """DiffSynth-Studio's metadata file (CSV, JSON or JSONL) with its base path as an edit source.
 
 As DiffSynth-Studio's `UnifiedDataset` reads it: `.json` is a list of objects, `.jsonl` one object a line,
-anything else CSV with a header. `image` is the target, the context key (`edit_image` for Qwen-Image-Edit,
-`kontext_images` for FLUX.1 Kontext) one path or a list of paths in order, `prompt` the instruction; a path
-is joined to the base path (`--dataset_base_path`) as DiffSynth joins it, so an absolute one stays as it
-is. The other keys are kept as the payload's `manifest_metadata`. `--dataset_repeat` is a training flag,
-not in the file, so a single cache is built.
+anything else CSV with a header (a UTF-8 byte-order mark dropped, as pandas drops it). `image` is the target,
+the context key (`edit_image` for Qwen-Image-Edit, `kontext_images` for FLUX.1 Kontext) one path or a list of
+paths in order, `prompt` the instruction; a path is joined to the base path (`--dataset_base_path`) as
+DiffSynth joins it, so an absolute one stays as it is. The other keys are kept as the payload's
+`manifest_metadata`. `--dataset_repeat` is a training flag, not in the file, so a single cache is built.
 
 Stricter than DiffSynth: a key the option names that no row has is refused at once (naming the keys
 the file has); a row without its target, context or prompt, a URL (nothing is downloaded), a CSV cell
@@ -51,7 +51,9 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
                     except json.JSONDecodeError as error:
                         yield f"{path} line {number}", f"not valid JSON ({error.msg} at column {error.colno})"
     else:
-        with path.open(encoding="utf-8", newline="") as stream:
+        # pandas, which DiffSynth reads CSV with, drops a byte-order mark (Excel's "CSV UTF-8" writes one);
+        # its JSON readers do not, so a marked .json or .jsonl is refused above as DiffSynth refuses it.
+        with path.open(encoding="utf-8-sig", newline="") as stream:
             # Line 1 is the header, so data row i (0-based) is on line i + 2 unless a cell spans lines.
             for i, row in enumerate(csv.DictReader(stream)):
                 yield f"{path} row {i} (line {i + 2})", {k: v for k, v in row.items() if k is not None}

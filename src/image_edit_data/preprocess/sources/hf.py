@@ -1,8 +1,8 @@
 """A local Hugging Face `datasets` data set (a `save_to_disk` directory or parquet files) as an edit source.
 
-Columns are mapped by name, e.g. MagicBrush: target `target_img`, contexts `[source_img]`, prompt
-`instruction`, mask `mask_img`; InstructPix2Pix: target `edited_image`, contexts `[original_image]`,
-prompt `edit_prompt`.
+Columns are mapped by name, e.g. InstructPix2Pix: target `edited_image`, contexts `[original_image]`, prompt
+`edit_prompt` (`hf_presets.py` names the public sets' columns, and their masks' own forms: `masks.py`).
+A folder of parquet files is read one split at a time, split as the hub names them (`hub_splits.py`).
 Image cells may be PIL images, `{"bytes": ..., "path": ...}` structs or raw bytes; image columns are
 read undecoded so a broken image is reported as a bad row instead of failing the whole read.
 Nothing is downloaded: only local paths are opened.
@@ -31,6 +31,8 @@ from .base import (
     inside,
     open_image,
 )
+from .hub_splits import choose_split, parquet_files, parquet_splits
+from .masks import MaskForm, build_mask
 from .records import RawEditSample
 
 JSON_SCALARS = (str, int, float, bool, type(None))
@@ -48,32 +50,25 @@ class ColumnMap:
     condition_columns: tuple[str, ...] = ()
     mask_column: str | None = None
     prompt_item: int | None = None  # a prompt cell holding a list of phrasings: use this one (OmniEdit's)
+    mask_form: MaskForm = "grey"  # how the set draws its masks (`masks.py`)
 
     def to_json(self) -> dict[str, Any]:
-        """Provenance form (without `condition_columns` when empty and `mask_column`, `prompt_item` when unset, as
-        written before they were read)."""
+        """Provenance form (without `condition_columns` when empty, `mask_column`, `prompt_item` when unset and
+        `mask_form` when grey, as written before they were read)."""
         data = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
         if not self.condition_columns:
             del data["condition_columns"]
         for name in ("mask_column", "prompt_item"):
             if data[name] is None:
                 del data[name]
+        if self.mask_form == "grey" or self.mask_column is None:
+            del data["mask_form"]
         return data
 
 
 def _empty(cell: Any) -> bool:
     """A cell without an image: None or an empty list."""
     return cell is None or (isinstance(cell, (list, tuple)) and not cell)
-
-
-def parquet_files(path: Path) -> list[Path]:
-    """A parquet file itself, or every parquet file under a directory, in name order."""
-    if path.is_file():
-        return [path]
-    files = sorted(p for p in path.rglob("*.parquet") if p.is_file())
-    if not files:
-        raise FileNotFoundError(f"{path}: no .parquet files here and no save_to_disk data set (state.json)")
-    return files
 
 
 class HFDatasetSource:
@@ -94,6 +89,7 @@ class HFDatasetSource:
         prompt_item: int | None = None,
         optional_columns: Sequence[str] = (),
         preset: str | None = None,
+        mask_form: MaskForm = "grey",
     ) -> None:
         """
         Args:
@@ -104,17 +100,20 @@ class HFDatasetSource:
                 when asked; a row with some empty is a bad sample.
             prompt_column: Column holding the edit instruction.
             id_column: Column holding a unique sample id; without it the row number is the id.
-            split: Split to read when `path` holds a DatasetDict with more than one split.
+            split: The split to read (`hub_splits.py` says how a folder of parquet files is split); required when
+                the data set holds several, refused when it holds no split of that name.
             metadata_columns: Columns copied into each payload's `manifest_metadata`.
             hf_cache_dir: Where `datasets` may write the Arrow files it converts parquet into.
             condition_columns: Columns holding condition images for prompt encoders (a cell may hold a list
                 or be empty); they are not VAE-encoded.
-            mask_column: Column holding the edit-region mask (white = edited, the target's size), e.g. MagicBrush's
-                `mask_img`; an empty cell leaves that row unmasked.
+            mask_column: Column holding the edit-region mask; an empty cell leaves that row unmasked unless the
+                mask form says otherwise.
             prompt_item: When the prompt cell is a list of phrasings (OmniEdit's `edited_prompt_list`), the one to use.
             optional_columns: Metadata or mask columns left out of the mapping when the data set lacks them (a preset
                 names columns that only some versions of a set have).
             preset: The name of the preset that chose these columns, recorded in the provenance.
+            mask_form: How the mask column draws a mask (`masks.py`): `grey` (white = edited, the target's size),
+                or a set's own form (`magicbrush`, `ultraedit`).
         """
         import datasets
 
@@ -126,15 +125,18 @@ class HFDatasetSource:
         self.root = Path(os.path.realpath(self.path if self.path.is_dir() else self.path.parent))
         if (self.path / "state.json").is_file() or (self.path / "dataset_dict.json").is_file():
             loaded = datasets.load_from_disk(str(self.path))
+            if isinstance(loaded, datasets.DatasetDict):
+                split = choose_split(self.name, list(loaded), split)
+                loaded = loaded[str(split)]
+            else:
+                key = choose_split(self.name, [None if loaded.split is None else str(loaded.split)], split)
+                split = split if key is None else key
         else:
-            files = [str(p) for p in parquet_files(self.path)]
-            loaded = datasets.Dataset.from_parquet(files, cache_dir=hf_cache_dir)
-        if isinstance(loaded, datasets.DatasetDict):
-            if split is None and len(loaded) == 1:
-                split = next(iter(loaded))
-            if split not in loaded:
-                raise ValueError(f"{self.name}: split: expected one of {sorted(loaded)}, got {split!r}")
-            loaded = loaded[split]
+            root = self.path if self.path.is_dir() else self.path.parent
+            by_split = parquet_splits(root, parquet_files(self.path))
+            key = choose_split(self.name, list(by_split), split)
+            loaded = datasets.Dataset.from_parquet([str(p) for p in by_split[key]], cache_dir=hf_cache_dir)
+            split = split if key is None else key
         self.split = split
         present, optional = set(loaded.column_names), set(optional_columns)
         metadata_columns = [c for c in metadata_columns if c in present or c not in optional]
@@ -149,6 +151,7 @@ class HFDatasetSource:
             tuple(condition_columns),
             mask_column,
             prompt_item,
+            mask_form,
         )
         names = [target_column, *context_columns, prompt_column, *metadata_columns, *condition_columns]
         missing = [c for c in [*names, id_column, mask_column] if c is not None and c not in loaded.column_names]
@@ -216,8 +219,11 @@ class HFDatasetSource:
             cells = [] if cell is None else list(cell) if isinstance(cell, (list, tuple)) else [cell]
             conditions.extend(self._image(c, where, f"{column}[{i}]") for i, c in enumerate(cells))
         mask_column = self.columns.mask_column
-        mask_cell = None if mask_column is None else row[mask_column]
-        mask = None if mask_cell is None else self._image(mask_cell, where, str(mask_column))
+        mask = None
+        if mask_column is not None:
+            cell, form = row[mask_column], self.columns.mask_form
+            drawn = None if cell is None else self._image(cell, where, mask_column, None if form != "grey" else "RGB")
+            mask = build_mask(drawn, target.size, form, where, mask_column)
         metadata = {c: self._plain(row[c]) for c in self.columns.metadata_columns}
         sample = RawEditSample(str(sample_id), prompt, target, tuple(contexts), metadata, tuple(conditions), mask)
         if self.columns.context_columns:
@@ -227,16 +233,16 @@ class HFDatasetSource:
             missing = "context_columns: expected a context image column, got none"
         return SourceRecord(position, where, sample, missing_context=missing)
 
-    def _image(self, cell: Any, where: str, field: str) -> Image.Image:
-        """A PIL image from a decoded image, an undecoded `{"bytes", "path"}` struct or raw bytes."""
+    def _image(self, cell: Any, where: str, field: str, mode: str | None = "RGB") -> Image.Image:
+        """A PIL image (in `mode`; None keeps its own) from a decoded image, a `{"bytes", "path"}` struct or bytes."""
         if isinstance(cell, Image.Image):
-            return cell.convert("RGB")
+            return cell.convert(mode) if mode is not None else cell.copy()
         if isinstance(cell, (bytes, bytearray)):
-            return open_image(bytes(cell), where, field)
+            return open_image(bytes(cell), where, field, mode)
         if isinstance(cell, dict) and cell.get("bytes"):
-            return open_image(bytes(cell["bytes"]), where, field)
+            return open_image(bytes(cell["bytes"]), where, field, mode)
         if isinstance(cell, dict) and isinstance(cell.get("path"), str) and cell["path"]:
-            return open_image(inside(self.root, cell["path"], where, f"{field}.path"), where, field)
+            return open_image(inside(self.root, cell["path"], where, f"{field}.path"), where, field, mode)
         raise BadSampleError(
             where,
             UNREADABLE_IMAGE,

@@ -1,11 +1,12 @@
 """Named column mappings of public Hugging Face edit sets, as their data set cards name the columns.
 
 - `magicbrush` (osunlp/MagicBrush): target `target_img`, context `source_img`, prompt `instruction`, mask
-  `mask_img`, metadata `img_id`, `turn_index`.
+  `mask_img` (an RGBA masked image: edited where transparent), metadata `img_id`, `turn_index`.
 - `instructpix2pix` (timbrooks/instructpix2pix-clip-filtered): target `edited_image`, context `original_image`,
   prompt `edit_prompt`, metadata `original_prompt`, `edited_prompt`.
 - `ultraedit` (BleachNick/UltraEdit and its subsets): target `edited_image`, context `source_image`, prompt
-  `edit_prompt`, mask `mask_image` where present, metadata `source_caption`, `target_caption`.
+  `edit_prompt` (the columns UltraEdit's own training script reads), mask `mask_image` where present (white =
+  edited; an empty cell: edited everywhere), metadata `source_caption`, `target_caption`.
 - `omniedit` (TIGER-Lab/OmniEdit-Filtered-1.2M): target `edited_img`, context `src_img`, prompt the first of
   `edited_prompt_list`, id `omni_edit_id`, metadata `task` and the scores.
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from .hf import HFDatasetSource
+from .masks import MaskForm
 
 PresetName = Literal["magicbrush", "instructpix2pix", "ultraedit", "omniedit"]
 
@@ -36,13 +38,21 @@ class Preset:
     mask: str | None = None
     id_column: str | None = None
     prompt_item: int | None = None
+    mask_form: MaskForm = "grey"
 
 
 PRESETS: dict[str, Preset] = {
-    "magicbrush": Preset("target_img", "source_img", "instruction", ("img_id", "turn_index"), mask="mask_img"),
+    "magicbrush": Preset(
+        "target_img", "source_img", "instruction", ("img_id", "turn_index"), mask="mask_img", mask_form="magicbrush"
+    ),
     "instructpix2pix": Preset("edited_image", "original_image", "edit_prompt", ("original_prompt", "edited_prompt")),
     "ultraedit": Preset(
-        "edited_image", "source_image", "edit_prompt", ("source_caption", "target_caption"), mask="mask_image"
+        "edited_image",
+        "source_image",
+        "edit_prompt",
+        ("source_caption", "target_caption"),
+        mask="mask_image",
+        mask_form="ultraedit",
     ),
     "omniedit": Preset(
         "edited_img",
@@ -78,4 +88,5 @@ def preset_source(
         prompt_item=preset.prompt_item,
         optional_columns=optional,
         preset=name,
+        mask_form=preset.mask_form,
     )

@@ -1,7 +1,8 @@
-"""musubi-tuner's dataset config (TOML) as edit sources: image directories with captions and controls, or JSONL.
+"""musubi-tuner's dataset config (TOML or JSON) as edit sources: image directories with captions and controls, or JSONL.
 
 Read as musubi-tuner reads it (kohya-ss/musubi-tuner `dataset/config_utils.py`, `datasources.py`):
 
+- the file is TOML or JSON, the keys musubi renamed read under their new names (`musubi_file.py`);
 - `[general]` holds defaults a `[[datasets]]` entry overrides; an unknown key is refused (musubi's schema
   refuses it too). Paths are used as written, so relative ones are relative to the working directory.
 - `image_directory`: the images directly in it with musubi's extensions (`.png .jpg .jpeg .webp .bmp .avif`,
@@ -28,8 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
+from . import musubi_file
 from .base import INVALID_ENTRY, NO_CONTEXT, NO_TARGET
 from .paired import (
     AMBIGUOUS_NAME,
@@ -178,6 +178,16 @@ def _order_controls(target: Path, candidates: list[Path], expected: int | None) 
     return ordered
 
 
+def _check_control_sizing(where: str, entry: dict[str, Any]) -> None:
+    """musubi's schema for the control-image sizing keys (not read here: `--resize` sizes every image)."""
+    if not isinstance(entry.get("no_resize_control", False), bool):
+        raise ValueError(f"{where}: no_resize_control: expected true or false, got {entry['no_resize_control']!r}")
+    size = entry.get("control_resolution", 1)
+    sizes = size if isinstance(size, list) and len(size) == 2 else [size]
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+        raise ValueError(f"{where}: control_resolution: expected a size or [width, height], got {size!r}")
+
+
 def jsonl_source(path: Path, controls_per_sample: int | None, provenance: Mapping[str, Any]) -> PairedFileSource:
     """The examples of an `image_jsonl_file` data set: `image_path`, `caption`, `control_path[_N]` per line."""
     if not path.is_file():
@@ -225,16 +235,11 @@ def _jsonl_pairing(where: str, text: str, expected: int | None) -> Pairing:
 
 
 def read_config(path: str | Path, controls_per_sample: int | None = None) -> list[ConfigDataset]:
-    """Every `[[datasets]]` entry of a musubi-tuner dataset config, in order, as an edit source."""
+    """Every `[[datasets]]` entry of a musubi-tuner dataset config (TOML or JSON), in order, as an edit source."""
     config_path = Path(path)
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path}: musubi-tuner dataset config does not exist")
-    try:
-        config = tomllib.loads(config_path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"{config_path}: not valid TOML ({error})") from None
+    config, renamed = musubi_file.load(config_path)
     general = config.get("general", {})
-    unknown = sorted(set(general) - GENERAL_KEYS)
+    unknown = [f"{k} (written {renamed[k]})" if k in renamed else k for k in sorted(set(general) - GENERAL_KEYS)]
     if unknown:
         raise ValueError(
             f"{config_path}: [general]: unknown key(s) {unknown}; musubi-tuner accepts {sorted(GENERAL_KEYS)}"
@@ -258,6 +263,7 @@ def _dataset(
         raise ValueError(f"{where}: unknown key(s) {unknown}; musubi-tuner accepts {sorted(IMAGE_KEYS)}")
     if entry.get("multiple_target"):
         raise ValueError(f"{where}: multiple_target (Qwen-Image-Layered targets) is not an edit layout")
+    _check_control_sizing(where, entry)
     settings = general | entry
     repeats = settings.get("num_repeats", 1)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:

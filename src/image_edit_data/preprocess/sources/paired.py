@@ -5,7 +5,7 @@ list of `Pairing`s: the files of one example, or the `BadSampleError` that says 
 `PairedFileSource` reads them by position like any `EditSource`; its images open in `read`, so an unreadable
 file is a bad sample of its own. Files the layout names but pairs with nothing (a control image without a
 target) come after the examples as positions that always raise, so a build stops on them or counts them.
-A config naming several data sets (musubi-tuner's TOML, ai-toolkit's YAML) opens as `ConfigDataset`s.
+A config naming several data sets (musubi-tuner's, ai-toolkit's, SimpleTuner's) opens as `ConfigDataset`s.
 """
 
 from __future__ import annotations
@@ -40,6 +40,15 @@ class Pairing:
     prompt: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)
     error: BadSampleError | None = None
+    flips: tuple[str, ...] = ()  # "x" / "y": mirror the images on read (`flips.py`)
+    flip_contexts: bool = True  # whether the flips mirror the contexts too, or only the target
+
+
+def mirrored(image: Image.Image, flips: tuple[str, ...]) -> Image.Image:
+    """`image` mirrored left-right for each "x" and top-bottom for each "y" in `flips`."""
+    for axis in flips:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT if axis == "x" else Image.Transpose.FLIP_TOP_BOTTOM)
+    return image
 
 
 def refused(location: str, sample_id: str, kind: str, problem: str) -> Pairing:
@@ -78,8 +87,11 @@ class PairedFileSource:
             raise BadSampleError(where, MISSING_IMAGE, "no target image")
         if not pairing.prompt.strip():
             raise BadSampleError(where, EMPTY_PROMPT, f"prompt: expected text, got {pairing.prompt!r}")
-        target = self._open(pairing.target, where, "target")
-        contexts = tuple(self._open(p, where, f"context {i}") for i, p in enumerate(pairing.contexts))
+        target = mirrored(self._open(pairing.target, where, "target"), pairing.flips)
+        contexts = tuple(
+            mirrored(self._open(p, where, f"context {i}"), pairing.flips if pairing.flip_contexts else ())
+            for i, p in enumerate(pairing.contexts)
+        )
         media = (
             {"role": "target", "file_name": str(pairing.target)},
             *({"role": "context", "file_name": str(p)} for p in pairing.contexts),
@@ -104,7 +116,7 @@ class ConfigDataset:
 
     name: str  # unique within the config, usable as a directory name
     source: EditSource
-    repeats: int  # the trainer's copies of each sample per epoch (its repeats, times its resolutions for ai-toolkit)
+    repeats: int  # passes over each sample per epoch (ai-toolkit: x its resolutions; SimpleTuner: 1 + repeats)
     why: str  # how `repeats` follows from the config, e.g. "num_repeats 2"
 
 
