@@ -35,7 +35,7 @@ from .naive import bare_loop, naive_loader
 from .other import OtherLoader
 from .workers import run_epochs
 
-RESULTS_VERSION = 2
+RESULTS_VERSION = 3  # 3: "reference" keys became "other" (any loader given to bench_main)
 
 
 @dataclass(frozen=True)
