@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
 EXTRAS="" bash scripts/setup.sh
-image-edit-data fit --config configs/quickstart.yaml "$@"
+image-edit-data quickstart "$@"   # fit with the config shipped in the package (configs/quickstart.yaml links to it)

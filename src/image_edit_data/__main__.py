@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.resources import as_file, files
 
 
 def _lightning(command: str, rest: list[str], from_shell: bool) -> int:
@@ -12,6 +14,16 @@ def _lightning(command: str, rest: list[str], from_shell: bool) -> int:
 
     # From the shell LightningCLI reads sys.argv itself; passing it again would only earn a warning.
     lightning_main(None if from_shell else [command, *rest])
+    return 0
+
+
+def _quickstart(command: str, rest: list[str], from_shell: bool) -> int:
+    from .lightning.cli import lightning_main
+
+    with as_file(files(__package__) / "configs" / "quickstart.yaml") as config, warnings.catch_warnings():
+        # Our arguments differ from sys.argv's on purpose; Lightning warns of giving both.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+        lightning_main(["fit", "--config", str(config), *rest])
     return 0
 
 
@@ -50,6 +62,9 @@ class Command:
 
 # The one list of commands: the dispatch and the usage both read it (`cache` lists its own subcommands).
 COMMANDS: dict[str, Command] = {
+    "quickstart": Command(
+        "[FIT OPTIONS]", "the main job: the demo cache, then `fit` with the config shipped in the package", _quickstart
+    ),
     "fit": Command("--config FILE", "train with LightningCLI (e.g. --config configs/quickstart.yaml)", _lightning),
     "validate": Command("--config FILE", "evaluate on the validation set with LightningCLI", _lightning),
     "test": Command("--config FILE", "evaluate on the test set with LightningCLI", _lightning),

@@ -3,12 +3,12 @@
 One run measures, on this machine: opening the index; the machine's memcpy bandwidth; our loader
 at each `--num-workers` (a packed cache too; `--no-checksums` reads it unchecked, to measure the
 check); with `--compare-naive` a plain DataLoader and a bare load loop over the
-same planned batches; with `--compare-reference` NVIDIA NeMo Automodel's loader (if installed);
-with `--rounds N` every loader N times, taking turns, each reported by its fastest round.
-`--index-only` measures the index alone; `--worker-memory-index N` worker memory over an epoch of
-N records. It prints numbers only (tables, and `--json PATH`). `--make-synthetic N` first writes
-a cache of realistic sample size (`synthetic.py`). Races with other loaders on data of their own
-(litdata), stress runs and the remote-layout comparison are in the repository's benchmarks/.
+same planned batches; with `--rounds N` every loader N times, taking turns, each reported by its
+fastest round. `--index-only` measures the index alone; `--worker-memory-index N` worker memory
+over an epoch of N records. It prints numbers only (tables, and `--json PATH`). `--make-synthetic N`
+first writes a cache of realistic sample size (`synthetic.py`). `bench_main(argv, other=...)` also
+times another loader (`other.py`): the repository's benchmarks/ race NeMo Automodel's that way, and
+litdata's on data of their own, beside stress runs and the remote-layout comparison.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import warnings
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -29,8 +28,8 @@ from rich.console import Console
 from rich.progress import track
 
 from .measure import LOADER_NOISE
+from .other import OtherLoader
 from .paths import resolve_path_options
-from .reference import import_reference
 from .report import render
 from .run import BenchOptions, run_index_only, run_loaders, run_worker_memory
 from .synthetic import (
@@ -75,16 +74,6 @@ def _bench_parser() -> ArgumentParser:
         action=ActionYesNo,
         default=False,
         help="Also time a plain DataLoader (one torch.load per sample, stacking collate) and a bare load loop.",
-    )
-    parser.add_argument(
-        "--compare-reference",
-        action=ActionYesNo,
-        default=False,
-        help="Also measure NVIDIA NeMo Automodel's ImageEditDataset/ImageEditDataloaderConfig on the same cache "
-        "(install it with `pip install --no-deps nemo-automodel`; it is not a dependency).",
-    )
-    parser.add_argument(
-        "--reference-path", type=str | None, default=None, help="Directory to import the reference from."
     )
     parser.add_argument(
         "--no-checksums",
@@ -139,15 +128,14 @@ def make_console() -> Console:
     return console if console.is_terminal else Console(soft_wrap=True, width=160)
 
 
-def bench_main(argv: list[str]) -> int:
-    """`image-edit-data bench ...`; returns the exit code (2 for bad options, 1 for a bad cache)."""
+def bench_main(argv: list[str], other: OtherLoader | None = None) -> int:
+    """`image-edit-data bench ...`, timing `other` too when given; the exit code (2 bad options, 1 a bad cache)."""
     console = make_console()
     try:
         args = _bench_parser().parse_args(argv)
-        resolve_path_options(args, ("cache_dir", "out", "json", "reference_path"))
+        resolve_path_options(args, ("cache_dir", "out", "json"))
         options = _options_from(args)
         spec = _spec_from(args)
-        reference = import_reference(args.reference_path) if options.compare_reference else None
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse reports bad options as ArgumentError/TypeError
@@ -161,7 +149,7 @@ def bench_main(argv: list[str]) -> int:
         cache_dir = write_cache(args, spec, temporary, console) if writes else Path(args.cache_dir)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=LOADER_NOISE)
-            results = run(cache_dir, options, args, console, reference)
+            results = run(cache_dir, options, args, console, other)
     except USER_ERRORS as error:
         console.print(f"[red]error:[/red] {error}", highlight=False)
         return 1
@@ -178,16 +166,16 @@ def bench_main(argv: list[str]) -> int:
 
 
 def run(
-    cache_dir: Path, options: BenchOptions, args: Namespace, console: Console, reference: ModuleType | None
+    cache_dir: Path, options: BenchOptions, args: Namespace, console: Console, other: OtherLoader | None
 ) -> dict[str, Any]:
     """The measurements the options ask for."""
     if not cache_dir.is_dir():
         raise FileNotFoundError(f"{cache_dir}: cache directory does not exist")
     if args.worker_memory_index is not None:
-        return run_worker_memory(cache_dir, options, console, reference)
+        return run_worker_memory(cache_dir, options, console, other)
     if args.index_only:
-        return run_index_only(cache_dir, options, console, reference)
-    return run_loaders(cache_dir, options, console, reference)
+        return run_index_only(cache_dir, options, console, other)
+    return run_loaders(cache_dir, options, console, other)
 
 
 def write_cache(args: Namespace, spec: SyntheticSpec | None, temporary: Path | None, console: Console) -> Path:
@@ -234,7 +222,6 @@ def _options_from(args: Namespace) -> BenchOptions:
         rounds=args.rounds,
         prefetch_factor=args.prefetch_factor,
         compare_naive=args.compare_naive,
-        compare_reference=args.compare_reference,
         no_checksums=args.no_checksums,
         memcpy_mib=args.memcpy_mib,
         wait_load=args.wait_load,

@@ -1,7 +1,7 @@
 """Index open time and memory for `image-edit-data bench`, each open in a child process of its own.
 
 Ours opens twice: first by parsing the shards (its stored index removed beforehand), which also
-stores the compact index, then again from that store. The reference parses on every open. A child
+stores the compact index, then again from that store; another loader given to the bench opens once. A child
 times one open and its RSS growth (the opened object kept alive), frees it, then opens again under
 tracemalloc for the bytes the opened object holds and the peak while opening. Children are forked
 from the bench before it loads anything, so every opener starts from the same small process.
@@ -16,12 +16,14 @@ import tracemalloc
 from collections.abc import Callable, Sized
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..dataset import ImageEditDataset
 from ..index.store import candidate_paths, store_key
 from .measure import Step, load_average, rss_bytes
+
+if TYPE_CHECKING:
+    from .other import OtherLoader
 
 Opener = Callable[[str], Sized]
 
@@ -93,20 +95,20 @@ def _measure_in_child(opener: Opener, cache_dir: Path, parse: bool) -> dict[str,
         return pool.submit(_open_in_child, opener, str(cache_dir), parse).result()
 
 
-def measure_index_opens(cache_dir: Path, reference: ModuleType | None, step: Step) -> list[dict[str, Any]]:
-    """One row per open: ours parsing, ours from the store, and the reference's (when given)."""
+def measure_index_opens(cache_dir: Path, other: OtherLoader | None, step: Step) -> list[dict[str, Any]]:
+    """One row per open: ours parsing, ours from the store, and the other loader's (when given)."""
     openers: list[tuple[str, str, Opener, bool]] = [
         ("ours", "parse", _open_ours, True),
         ("ours", "stored", _open_ours, False),
     ]
-    if reference is not None:
-        openers.append(("reference", "parse", reference.ImageEditDataset, False))
+    if other is not None:
+        openers.append((other.name, "parse", other.open_index, False))
     rows: list[dict[str, Any]] = []
     for loader, how, opener, parse in openers:
         with step(f"opening the index: {loader}, {how}"):
             rows.append({"loader": loader, "open": how, "load_average_1m": load_average()})
             rows[-1].update(_measure_in_child(opener, cache_dir, parse))
-    reference_seconds: float | None = rows[-1]["seconds"] if reference is not None else None
+    other_seconds: float | None = rows[-1]["seconds"] if other is not None else None
     for row in rows:
-        row["seconds_over_reference"] = None if reference_seconds is None else row["seconds"] / reference_seconds
+        row["seconds_over_other"] = None if other_seconds is None else row["seconds"] / other_seconds
     return rows

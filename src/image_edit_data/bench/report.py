@@ -7,12 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-LOADER_NAMES = {
-    "ours": "ours (StatefulDataLoader)",
-    "naive": "plain DataLoader",
-    "bare": "bare load loop",
-    "reference": "reference (NeMo)",
-}
+LOADER_NAMES = {"ours": "ours (StatefulDataLoader)", "naive": "plain DataLoader", "bare": "bare load loop"}
 OPEN_NAMES = {"parse": "first open (parse)", "stored": "re-open (stored index)"}
 
 
@@ -76,9 +71,9 @@ def render(results: dict[str, Any], console: Console) -> None:
     start, end = machine["load_average_1m"], machine.get("load_average_1m_end")
     if start is not None and end is not None:
         console.print(f"load average (1 min): {start:.2f} at the start, {end:.2f} at the end", highlight=False)
-    if results["reference"]:
-        reference = results["reference"]
-        console.print(f"reference: nemo_automodel {reference['version']} ({reference['module']})", highlight=False)
+    if results["other"]:
+        about = ", ".join(f"{key} {value}" for key, value in results["other"].items() if key != "name")
+        console.print(f"other loader: {results['other']['name']}" + (f" ({about})" if about else ""), highlight=False)
     console.print(_cache_line(cache), highlight=False)
     memcpy = results["memcpy"]
     if memcpy:
@@ -119,22 +114,27 @@ def _cache_line(cache: dict[str, Any]) -> str:
 
 
 def _index_table(rows: list[dict[str, Any]]) -> Table:
-    """Open times and memory of the index, ours and the reference's."""
+    """Open times and memory of the index, ours and the other loader's."""
+    other = any(row["seconds_over_other"] is not None for row in rows)
     table = Table(title="Index open (each in a fresh child process)", title_justify="left")
     table.add_column("loader")
     table.add_column("open")
-    for column in ("time", "ours/ref", "RSS growth", "traced held", "held/sample", "traced peak", "index arrays"):
+    for column in ("time", *(["ours/other"] if other else []), "RSS growth", "traced held", "held/sample"):
+        table.add_column(column, justify="right")
+    for column in ("traced peak", "index arrays"):
         table.add_column(column, justify="right")
     table.add_column("load")
     for row in rows:
-        how = OPEN_NAMES[row["open"]] if row["loader"] == "ours" else "open (parse)"
+        ours = row["loader"] == "ours"
+        how = OPEN_NAMES[row["open"]] if ours else "open (parse)"
         if row["open"] == "stored" and not row["from_store"]:
             how += " [no stored index found: parsed]"
+        ratio = [_ratio_text(row["seconds_over_other"], 3) if ours else "-"] if other else []
         table.add_row(
-            LOADER_NAMES[row["loader"]],
+            LOADER_NAMES.get(row["loader"], row["loader"]),
             how,
             seconds(row["seconds"]),
-            "-" if row["loader"] == "reference" else _ratio_text(row["seconds_over_reference"], 3),
+            *ratio,
             _signed_size(row["rss_growth_bytes"]),
             size(row["traced_retained_bytes"]),
             f"{row['retained_bytes_per_sample']:,.1f} B",
@@ -144,7 +144,8 @@ def _index_table(rows: list[dict[str, Any]]) -> Table:
         )
     table.caption = (
         "time and RSS growth: one open, the opened dataset kept; traced held/peak: tracemalloc over a second open, "
-        "bytes still held by the opened dataset and the peak while opening; ours/ref: time over the reference's time"
+        "bytes still held by the opened dataset and the peak while opening"
+        + ("; ours/other: time over the other loader's time" if other else "")
     )
     table.caption_justify = "left"
     return table
@@ -155,12 +156,14 @@ def _loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: d
     batches = f"{settings['warmup']} warm-up + {settings['measured_batches']} timed batches"
     rounds = settings.get("rounds", 1)
     best = f"; the fastest of {rounds} rounds, loaders taking turns" if rounds > 1 else ""
+    other = any(run.get("ours_over_other") is not None for run in runs)
     table = Table(
         title=f"Loaders: batch size {settings['batch_size']}, {batches} (of {cache['epoch_batches']} per epoch){best}",
         title_justify="left",
     )
     table.add_column("loader")
-    for column in ("workers", "samples/s", "MB/s", "of memcpy", "CPU ms/sample", "ours/ref", "ours/plain", "ours/bare"):
+    ratios = ["ours/other"] if other else []
+    for column in ("workers", "samples/s", "MB/s", "of memcpy", "CPU ms/sample", *ratios, "ours/plain", "ours/bare"):
         table.add_column(column, justify="right")
     table.add_column("load", justify="right")
     if rounds > 1:
@@ -169,13 +172,13 @@ def _loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: d
     for run in runs:
         workers = run["num_workers"]
         table.add_row(
-            LOADER_NAMES[run["loader"]],
+            LOADER_NAMES.get(run["loader"], run["loader"]),
             "-" if workers is None else str(workers),
             f"{run['samples_s']:,.1f}",
             f"{run['mb_s']:,.1f}",
             f"{run['memcpy_fraction']:.1%}",
             _cpu_text(run.get("cpu_ms_per_sample"), run.get("main_cpu_ms_per_sample"), workers),
-            _ratio_text(run.get("ours_over_reference")),
+            *([_ratio_text(run.get("ours_over_other"))] if other else []),
             _ratio_text(run.get("ours_over_naive")),
             _ratio_text(run.get("ours_over_bare")),
             _load_text(run.get("load_average_1m")),
@@ -185,9 +188,9 @@ def _loader_table(runs: list[dict[str, Any]], settings: dict[str, Any], cache: d
     table.caption = (
         "MB/s: payload file bytes (10^6) per second; of memcpy: MB/s over the memcpy limit; CPU ms/sample: "
         "this process and the live workers together (this process's share in brackets); ours/x: our samples/s "
-        "over x's at the same worker count; ours, plain and bare read the same batches, the reference its own "
-        "sampler's (same bucket, its shuffle), from a .pt copy of each payload when the cache is safetensors; "
-        "load: 1-minute load average when the timing started"
+        "over x's at the same worker count; ours, plain and bare read the same batches"
+        + (", the other loader its own sampler's" if other else "")
+        + "; load: 1-minute load average when the timing started"
         + ("; slowest round: samples/s of the slowest round" if rounds > 1 else "")
     )
     table.caption_justify = "left"
@@ -206,7 +209,7 @@ def _epoch_table(epochs: list[dict[str, Any]], settings: dict[str, Any], cache: 
     table.add_column(f"worker private memory (USS), after {settings['warmup']} batches -> end of the epoch")
     for epoch in epochs:
         table.add_row(
-            LOADER_NAMES[epoch["loader"]],
+            LOADER_NAMES.get(epoch["loader"], epoch["loader"]),
             str(epoch["num_workers"]),
             f"{epoch['batches']:,}",
             f"{epoch['seconds']:.1f}",

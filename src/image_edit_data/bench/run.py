@@ -5,13 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from rich.console import Console
@@ -35,17 +32,10 @@ from .measure import (
     warm_page_cache,
 )
 from .naive import bare_loop, naive_loader
-from .reference import (
-    build_reference,
-    convert_payloads,
-    reference_files,
-    reference_plan,
-    reference_version,
-    write_pt_twin_index,
-)
+from .other import OtherLoader
 from .workers import run_epochs
 
-RESULTS_VERSION = 2
+RESULTS_VERSION = 3  # 3: "reference" keys became "other" (any loader given to bench_main)
 
 
 @dataclass(frozen=True)
@@ -59,7 +49,6 @@ class BenchOptions:
     rounds: int = 1
     prefetch_factor: int = 2
     compare_naive: bool = False
-    compare_reference: bool = False
     memcpy_mib: int = 256
     wait_load: float | None = None
     torch_threads: int | None = None
@@ -98,14 +87,14 @@ def _stepper(console: Console, max_load: float | None) -> Step:
     return step
 
 
-def _results_frame(mode: str, options: BenchOptions, reference: ModuleType | None) -> dict[str, Any]:
+def _results_frame(mode: str, options: BenchOptions, other: OtherLoader | None) -> dict[str, Any]:
     """The keys every run kind reports; each fills in its own."""
     return {
         "version": RESULTS_VERSION,
         "mode": mode,
         "machine": machine_info(),
         "settings": {**asdict(options), "num_workers": list(options.num_workers)},
-        "reference": None if reference is None else {"module": reference.__name__, "version": reference_version()},
+        "other": None if other is None else {"name": other.name, **other.about()},
         "cache": {},
         "index": [],
         "memcpy": None,
@@ -121,31 +110,31 @@ def _cache_facts(index: CacheIndex) -> dict[str, Any]:
 
 
 def run_index_only(
-    cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
+    cache_dir: Path, options: BenchOptions, console: Console, other: OtherLoader | None = None
 ) -> dict[str, Any]:
-    """Open times and memory of the index: ours parsing, ours from the store, the reference."""
-    results = _results_frame("index", options, reference)
-    results["index"] = measure_index_opens(cache_dir, reference, _stepper(console, options.wait_load))
+    """Open times and memory of the index: ours parsing, ours from the store, the other loader's."""
+    results = _results_frame("index", options, other)
+    results["index"] = measure_index_opens(cache_dir, other, _stepper(console, options.wait_load))
     results["cache"] = _cache_facts(open_index(cache_dir))
     results["machine"]["load_average_1m_end"] = load_average()
     return results
 
 
 def run_worker_memory(
-    cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
+    cache_dir: Path, options: BenchOptions, console: Console, other: OtherLoader | None = None
 ) -> dict[str, Any]:
-    """Worker private memory over one whole epoch of ours and the reference."""
-    results = _results_frame("worker-memory", options, reference)
+    """Worker private memory over one whole epoch of ours and the other loader."""
+    results = _results_frame("worker-memory", options, other)
     results["cache"] = _cache_facts(open_index(cache_dir))
     step = _stepper(console, options.wait_load)
     results["epochs"] = run_epochs(
-        cache_dir, options.num_workers, options.batch_size, options.prefetch_factor, options.warmup, reference, step
+        cache_dir, options.num_workers, options.batch_size, options.prefetch_factor, options.warmup, other, step
     )
     results["machine"]["load_average_1m_end"] = load_average()
     return results
 
 
-def _check_warmup(cache_dir: Path, options: BenchOptions) -> None:
+def _check_warmup(cache_dir: Path, options: BenchOptions, other: OtherLoader | None) -> None:
     """Before anything is measured, refuse a --warmup of a whole epoch or more, or a comparison a packed cache lacks.
 
     What this opens is freed again.
@@ -156,9 +145,10 @@ def _check_warmup(cache_dir: Path, options: BenchOptions) -> None:
     batches = len(config.build_for(dataset=dataset, **build_args(options)).sampler)
     del dataset
     gc.collect()  # the index opened here is gone before the index-open children fork
-    if packed and (options.compare_naive or options.compare_reference):
+    file_readers = (["--compare-naive"] if options.compare_naive else []) + ([other.name] if other else [])
+    if packed and file_readers:
         raise ValueError(
-            f"{cache_dir}: a packed cache; --compare-naive and --compare-reference read one file per sample: "
+            f"{cache_dir}: a packed cache, which {' and '.join(file_readers)} cannot read (one file per sample): "
             "bench the cache it was packed from for those"
         )
     if batches <= options.warmup:
@@ -172,13 +162,13 @@ Measure = tuple[tuple[str, int | None], str, Callable[[], Run]]  # (loader, work
 
 
 def run_loaders(
-    cache_dir: Path, options: BenchOptions, console: Console, reference: ModuleType | None
+    cache_dir: Path, options: BenchOptions, console: Console, other: OtherLoader | None = None
 ) -> dict[str, Any]:
     """Index opens, memcpy, then every loader on the same cache (see `command.py`)."""
-    results = _results_frame("loaders", options, reference)
+    results = _results_frame("loaders", options, other)
     step = _stepper(console, options.wait_load)
-    _check_warmup(cache_dir, options)
-    results["index"] = measure_index_opens(cache_dir, reference, step)  # first: children fork from a small process
+    _check_warmup(cache_dir, options, other)
+    results["index"] = measure_index_opens(cache_dir, other, step)  # first: children fork from a small process
     with step("measuring memcpy bandwidth"):
         memcpy = results["memcpy"] = memcpy_bandwidth(options.memcpy_mib << 20)
     index = open_index(cache_dir)
@@ -217,10 +207,10 @@ def run_loaders(
         ]
         measures.append((("bare", None), "a bare load loop", bare))
     with contextlib.ExitStack() as stack:
-        if reference is not None:
-            measures += stack.enter_context(_reference_measures(index, options, reference, len(plan), step))
+        if other is not None:
+            measures += stack.enter_context(other.measures(index, options, len(plan), step))
         runs = _fastest_rounds(measures, options.rounds, step)
-    results["runs"] = _with_ratios(runs, memcpy["mb_s"])
+    results["runs"] = _with_ratios(runs, memcpy["mb_s"], None if other is None else other.name)
     results["cache"] = {
         **_cache_facts(index),
         "epoch_batches": len(sampler),
@@ -246,50 +236,20 @@ def _fastest_rounds(measures: list[Measure], rounds: int, step: Step) -> dict[tu
     return runs
 
 
-@contextlib.contextmanager
-def _reference_measures(
-    index: CacheIndex, options: BenchOptions, reference: ModuleType, batches: int, step: Step
-) -> Iterator[list[Measure]]:
-    """The reference's loader at each worker count, on the cache or (safetensors) on a `.pt` twin of it."""
-    needs_twin = any(format_of(index.relative_path(i)) != "pt" for i in range(len(index)))
-    twin = Path(tempfile.mkdtemp(prefix="image-edit-bench-pt-twin-")) if needs_twin else None
-    root = twin or index.root
-
-    def timed(workers: int, plan: list[list[int]], sizes: dict[int, int], files: list[Path]) -> Run:
-        warm_page_cache(files)
-        build = build_reference(reference, root, workers, options.prefetch_factor, options.batch_size)
-        return timed_batches("reference", workers, build.dataloader, plan, options.warmup, sizes)
-
-    try:
-        if twin is not None:
-            write_pt_twin_index(index, twin)
-        measures: list[Measure] = []
-        for workers in options.num_workers:
-            build = build_reference(reference, root, workers, options.prefetch_factor, options.batch_size)
-            # Its own sampler's batches: the same bucket structure, its own shuffle (the same in every build).
-            plan = reference_plan(build.sampler, batches)
-            if twin is not None:
-                with step("writing .pt copies of the payloads the reference will read"):
-                    convert_payloads(index, twin, sorted({i for batch in plan for i in batch}))
-            files = reference_files(build.dataloader.dataset, {i for batch in plan for i in batch})
-            sizes = {i: path.stat().st_size for i, path in files.items()}
-            what = f"the reference loader with {workers} workers"
-            measures.append((("reference", workers), what, partial(timed, workers, plan, sizes, list(files.values()))))
-        yield measures
-    finally:
-        if twin is not None:
-            shutil.rmtree(twin, ignore_errors=True)
-
-
-def _with_ratios(runs: dict[tuple[str, int | None], Run], memcpy_mb_s: float) -> list[dict[str, Any]]:
-    """Every run's numbers; ours also as ratios over the others at the same worker count."""
+def _with_ratios(
+    runs: dict[tuple[str, int | None], Run], memcpy_mb_s: float, other: str | None
+) -> list[dict[str, Any]]:
+    """Every run's numbers; ours also as ratios over the others at the same worker count (`other`: its name)."""
     rows = []
     for (loader, workers), run in runs.items():
         numbers = run.to_json(memcpy_mb_s)
         if loader == "ours":
-            for other, key in (("naive", workers), ("bare", None), ("reference", workers)):
-                base = runs.get((other, key))
-                numbers[f"ours_over_{other}"] = None if base is None else ratio(numbers, base.to_json(memcpy_mb_s))
+            for name, base in (
+                ("naive", runs.get(("naive", workers))),
+                ("bare", runs.get(("bare", None))),
+                ("other", None if other is None else runs.get((other, workers))),
+            ):
+                numbers[f"ours_over_{name}"] = None if base is None else ratio(numbers, base.to_json(memcpy_mb_s))
         rows.append(numbers)
     return rows
 

@@ -13,19 +13,18 @@ and parsed N records) would charge each loader for the bench's garbage.
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
-import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..dataloader_config import ImageEditDataloaderConfig
 from .measure import LOADER_NOISE, Step, load_average, private_bytes, shut_down, worker_memory, worker_pids
-from .reference import build_reference
+
+if TYPE_CHECKING:
+    from .other import OtherLoader
 
 CHECKS = 20  # private memory samples per epoch, for the highest value
 
@@ -72,27 +71,19 @@ def larger(a: int | None, b: int | None) -> int | None:
 
 
 def _epoch_in_child(
-    loader: str,
-    cache_dir: str,
-    workers: int,
-    batch_size: int,
-    prefetch_factor: int,
-    warmup: int,
-    reference: tuple[str, str] | None,
+    other: OtherLoader | None, cache_dir: str, workers: int, batch_size: int, prefetch_factor: int, warmup: int
 ) -> dict[str, Any]:
-    """Build one loader (`reference`: the reference's module and its import root) and run `_epoch_worker_memory`."""
+    """Build our loader, or `other`, and run `_epoch_worker_memory`."""
     # This process came from the fork server, whose start method it inherits; loaders fork their workers.
     multiprocessing.set_start_method("fork", force=True)
     warnings.filterwarnings("ignore", message=LOADER_NOISE)  # the bench's own filter does not reach this process
-    if loader == "reference" and reference is not None:
-        name, root = reference
-        if root not in sys.path:  # the fork server may have started before the bench added it
-            sys.path.insert(0, root)
-        build = build_reference(importlib.import_module(name), Path(cache_dir), workers, prefetch_factor, batch_size)
+    if other is not None:
+        build: Any = other.build(cache_dir, workers, prefetch_factor, batch_size)
     else:
         config = ImageEditDataloaderConfig(cache_dir, num_workers=workers, prefetch_factor=prefetch_factor)
         build = config.build(dp_rank=0, dp_world_size=1, batch_size=batch_size)
-    return _epoch_worker_memory(loader, workers, build.dataloader, len(build.sampler), batch_size, warmup)
+    name = "ours" if other is None else other.name
+    return _epoch_worker_memory(name, workers, build.dataloader, len(build.sampler), batch_size, warmup)
 
 
 def run_epochs(
@@ -101,29 +92,20 @@ def run_epochs(
     batch_size: int,
     prefetch_factor: int,
     warmup: int,
-    reference: ModuleType | None,
+    other: OtherLoader | None,
     step: Step,
 ) -> list[dict[str, Any]]:
-    """An epoch of ours, then of the reference, at each worker count, each in a process of its own."""
-    loaders = ["ours", *(["reference"] if reference is not None else [])]
-    where = None if reference is None else (reference.__name__, _import_root(reference))
+    """An epoch of ours, then of the other loader, at each worker count, each in a process of its own."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
     results = []
     for workers in num_workers:
-        for loader in loaders:
+        for loader in [None, *([other] if other is not None else [])]:
+            what = "our loader" if loader is None else f"the {loader.name} loader"
             with (
-                step(f"one epoch of the {loader} loader with {workers} workers"),
+                step(f"one epoch of {what} with {workers} workers"),
                 ProcessPoolExecutor(1, mp_context=context) as pool,
             ):
-                args = (str(cache_dir), workers, batch_size, prefetch_factor, warmup, where)
+                args = (str(cache_dir), workers, batch_size, prefetch_factor, warmup)
                 results.append(pool.submit(_epoch_in_child, loader, *args).result())
     return results
-
-
-def _import_root(module: ModuleType) -> str:
-    """The sys.path entry `module` was imported from (the directory holding its top-level package)."""
-    root = Path(str(module.__file__))
-    for _ in module.__name__.split("."):
-        root = root.parent
-    return str(root)

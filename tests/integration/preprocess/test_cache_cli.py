@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -239,6 +240,22 @@ def test_inspect_prints_the_bucket_table_and_writes_a_png(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert "40 samples in" in out and "target=8x8x8/contexts=[8x8x8]" in out and "share %" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_histogram_without_matplotlib_names_the_plots_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "demo"
+    assert demo_cache_main([str(cache), "--num-samples", "4", "--quiet"]) == 0
+    capsys.readouterr()
+    for name in [name for name in sys.modules if name == "matplotlib" or name.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # not importable, whether installed or imported before
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    png = tmp_path / "buckets.png"
+    assert cache_main(["inspect", str(cache), "--histogram", str(png)]) == 1
+    printed = capsys.readouterr().out
+    assert 'pip install "image-edit-data[plots]"' in printed and "samples in" not in printed
+    assert not png.exists()
 
 
 def test_demo_cache_builds_through_the_same_path_and_reloads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -86,6 +86,18 @@ def kinds_note(index: CacheIndex) -> str | None:
     return "; ".join(notes) or None
 
 
+def require_plots(path: str) -> None:
+    """Refuse `--histogram` before any work when matplotlib, the `plots` extra, does not import."""
+    try:
+        import matplotlib.backends.backend_agg
+        import matplotlib.figure  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"--histogram {path}: the plot needs matplotlib, which the package's `plots` extra installs: "
+            f'pip install "image-edit-data[plots]" ({error})'
+        ) from None
+
+
 def write_histogram(index: CacheIndex, rows: list[BucketRow], path: Path) -> None:
     """A PNG with samples per bucket, latent tokens per sample and text tokens per sample."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -116,6 +128,8 @@ def write_histogram(index: CacheIndex, rows: list[BucketRow], path: Path) -> Non
 
 def inspect_main(args: Namespace, console: Console) -> int:
     """Run `cache inspect`: print the table, optionally write the PNG."""
+    if args.histogram:
+        require_plots(args.histogram)
     try:
         index, _ = CacheLocation.of(args.cache_dir, storage_options=args.storage_options).open(use_store=False)
     except (ValueError, OSError) as error:
