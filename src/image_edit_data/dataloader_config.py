@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -103,8 +103,11 @@ class ImageEditDataloaderConfig:
     """With "skip": fail anyway once more than this fraction of the cache was skipped (per loader process)."""
     quarantine_file: str | None = None
     """With "skip": JSONL file listing skipped samples (default: `.image_edit_data/quarantine.jsonl` in the cache)."""
-    storage_options: dict[str, Any] | None = None
-    """fsspec options when `cache_dir` is a URL (e.g. `{"endpoint_url": ..., "key": ..., "secret": ...}` for s3)."""
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # holds credentials: not shown
+    """fsspec options when `cache_dir` is a URL (`{"endpoint_url": ...}`; credentials best from the environment).
+
+    Credentials given here (`key`, `secret`, `token`, ...) are redacted from hyperparameters, checkpoints
+    and printed configs (docs/remote-caches.md)."""
     remote_read: RemoteRead = "range"
     """Remote packed caches: "range" reads each sample with one ranged request; "shard_cache" downloads shards."""
     local_cache_dir: str | None = None

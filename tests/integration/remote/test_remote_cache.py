@@ -101,13 +101,13 @@ def copy_packed(s3: dict[str, Any], packed_url: str, name: str) -> str:
     return f"s3://bucket/{name}"
 
 
-def test_a_missing_shard_is_an_error_naming_its_url(s3: dict[str, Any], packed_url: str, tmp_path: Path) -> None:
+def test_a_missing_shard_is_a_content_fault_naming_its_url(s3: dict[str, Any], packed_url: str, tmp_path: Path) -> None:
     url = copy_packed(s3, packed_url, "missing")
     dataset = ImageEditDataset(url, storage_options=s3, local_cache_dir=str(tmp_path))
     shard = dataset.index.shards[0].path
     fs(s3).rm(f"bucket/missing/{shard}")
     victim = next(i for i in range(len(dataset)) if dataset.index.member(i)[0] == 0)
-    with pytest.raises(FileNotFoundError, match=rf"{url}/{shard}: does not exist"):
+    with pytest.raises(CacheFormatError, match=rf"{url}/{shard}\[.*\]: file: cannot be read: does not exist"):
         dataset[victim]
 
 
@@ -121,8 +121,8 @@ def test_a_truncated_or_replaced_shard_is_refused_and_leaves_nothing_in_the_loca
     data = fs(s3).cat_file(f"bucket/damaged/{first.path}")
     fs(s3).pipe_file(f"bucket/damaged/{first.path}", data[:700])  # cut inside the first member
     victim = next(i for i in range(len(index)) if index.member(i)[0] == 0)
-    with pytest.raises(RemoteError, match=rf"{url}/{first.path}: reading bytes .* returned \d+ bytes"):
-        reader.open(victim)
+    with pytest.raises(CacheFormatError, match=rf"{url}/{first.path}: bytes: reading bytes .* returned \d+ bytes"):
+        reader.open(victim)  # a content fault, as a local shard of the wrong size is
     tampered = bytearray(fs(s3).cat_file(f"bucket/damaged/{second.path}"))
     tampered[-100] ^= 1
     fs(s3).pipe_file(f"bucket/damaged/{second.path}", bytes(tampered))
@@ -293,10 +293,12 @@ def test_a_shard_another_process_is_downloading_is_not_fetched_twice(
     busy.write_bytes(b"")
     assert not cache.fetch(3) and not cache.local_path(3).exists()
     assert [p.name for p in directory.glob(".*.tmp")] == [busy.name]
-    assert cache.open_when_cached(3, timeout=0.05) is None  # a reader waits a bounded time, then reads ranges
+    assert cache.downloads({2, 3}) == {3: busy}
+    cache.wait_for({3: busy}, timeout=0.05)  # a reader waits a bounded time, then reads ranges
+    assert cache.open_cached(3) is None
     busy.unlink()
     assert cache.fetch(3)
-    opened = cache.open_when_cached(3, timeout=0.05)
+    opened = cache.open_cached(3)
     assert opened is not None
     os.close(opened[0])
 
