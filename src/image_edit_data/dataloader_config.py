@@ -21,9 +21,6 @@ from .storage.remote import RequestPolicy
 from .workers.resumable_loader import ResumableDataLoader
 from .workers.start import WorkerStart, check_start, start_server_early, uses_server, wait_for_server
 
-# torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
-
 
 class DiffusionDataloaderBuild(NamedTuple):
     """A built loader and the sampler that drives it (for `set_epoch` and resume state)."""
@@ -275,15 +272,18 @@ class ImageEditDataloaderConfig:
         workers: dict[str, Any] = {}
         if self.num_workers > 0:
             workers = {"prefetch_factor": self.prefetch_factor, "worker_start": self.multiprocessing_context}
-        loader = ResumableDataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=collate_image_edit,
-            num_workers=self.num_workers,
-            worker_timeout=self.worker_timeout,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            # Our own generator: worker seeds then never draw from (or disturb) torch's global RNG.
-            generator=torch.Generator().manual_seed(self.seed),
-            **workers,
-        )
+        with warnings.catch_warnings():  # here, not for the whole process: importing this module changes no filter
+            # torchdata 0.11 calls a torch API that warns on every loader; the warning is for torchdata's authors.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            loader = ResumableDataLoader(
+                dataset,
+                batch_sampler=sampler,
+                collate_fn=collate_image_edit,
+                num_workers=self.num_workers,
+                worker_timeout=self.worker_timeout,
+                pin_memory=self.pin_memory and torch.cuda.is_available(),
+                # Our own generator: worker seeds then never draw from (or disturb) torch's global RNG.
+                generator=torch.Generator().manual_seed(self.seed),
+                **workers,
+            )
         return DiffusionDataloaderBuild(dataloader=loader, sampler=sampler)

@@ -156,7 +156,8 @@ def test_ranged_reads_go_through_obstore_once_an_answer_showed_status_206_and_br
     assert calls == [] and store._serves_ranges
     assert bytes(store.read_range(shard.path, offset, length)) == expected
     assert calls == [(f"{packed_url}/{shard.path}", offset, length)] and store.stats.requests == 2
-    with pytest.raises(CacheFormatError, match=rf"{key}: bytes: reading bytes .* returned 2 bytes; the object is shorter"):
+    short = rf"{key}: bytes: reading bytes .* returned 2 bytes; the object is shorter"
+    with pytest.raises(CacheFormatError, match=short):
         store.read_range(shard.path, shard.nbytes - 2, 10)  # past the end: a truncated or replaced shard
     with pytest.raises(FileNotFoundError, match=rf"does not exist .*'{packed_url}/shards/none.tar'"):
         store.read_range("shards/none.tar", 0, 10)
