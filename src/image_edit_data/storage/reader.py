@@ -234,7 +234,7 @@ class CachedShardFiles(ShardFiles):
         each download once: waiting costs less than fetching the same bytes a second time, within a bound."""
         with self.lock:
             missing = {number for number in numbers if number not in self.open_files}
-        if not missing:
+        if not missing or self.wait <= 0:
             return
         downloads = {}
         for number, path in self.cache.downloads(missing).items():
