@@ -209,8 +209,10 @@ class ResumableDataLoader(StatefulDataLoader):
         self._pool_running = False
         self._pool_answered = False
         super().load_state_dict({})  # torchdata's public way to drop its iterator, whose finaliser stops the pool
+        if self.num_workers == 0:
+            return  # no pool: nothing for the (costly) collection below to stop
         if batches is not None and batches() is not None:
-            gc.collect()  # held in a reference cycle: the collector runs its finaliser
+            gc.collect()  # held in a reference cycle: the collector runs its finaliser, which stops the pool
         if batches is not None and batches() is not None and self.worker_start != "forkserver":
             # Torch's finaliser has not run, so its SIGCHLD handler still watches these children: ending them
             # here would raise in this process. (A fork server's workers are not children: they end below.)

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,15 @@ def batches(cache: str | Path, workers: int, **options: Any) -> list[list[int]]:
         return [b["metadata"]["sample_indices"] for b in built.dataloader]
     finally:
         if built.sampler.observer is not None:
-            built.sampler.observer.close()
+            built.sampler.observer.close()  # returns at once: downloads in flight end on their own
+            downloads_ended(options.get("local_cache_dir"))
+
+
+def downloads_ended(local: str | None, within: float = 30.0) -> None:
+    """Wait until the downloads a closed prefetcher left in flight have ended (each within its request's bound)."""
+    deadline = time.monotonic() + within
+    while local and list(Path(local).glob("*/shards/.*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def fs(options: dict[str, Any]) -> Any:
