@@ -39,6 +39,7 @@ from .reader import (
     remote_member,
 )
 from .remote import RemoteStore
+from .secrets import redacted_url
 from .shard_cache import ShardCache
 
 T = TypeVar("T")
@@ -96,7 +97,7 @@ class RemoteFilesReader(PayloadReader):
         self.fetcher = Fetcher()
 
     def display(self, idx: int) -> str:
-        return self.store.url_of(self.index.relative_path(idx))
+        return redacted_url(self.store.url_of(self.index.relative_path(idx)))
 
     def open(self, idx: int) -> OpenPayload:
         return one(self.open_many([idx]))
@@ -140,7 +141,7 @@ class RemotePackedReader(PayloadReader):
 
     def display(self, idx: int) -> str:
         shard = self.index.shards[self.index.member(idx)[0]].path
-        return f"{self.store.url_of(shard)}[{self.index.relative_path(idx)}]"
+        return f"{redacted_url(self.store.url_of(shard))}[{self.index.relative_path(idx)}]"
 
     def open(self, idx: int) -> OpenPayload:
         return one(self.open_many([idx]))

@@ -32,7 +32,7 @@ def is_secret(name: str) -> bool:
 
 def redacted_url(text: str) -> str:
     """`text` with the user and password of a URL, and secret query parameters, replaced by `<redacted>`."""
-    if "://" not in text:
+    if "://" not in text or ("@" not in text and "?" not in text):
         return text
     try:
         parts = urlsplit(text)
