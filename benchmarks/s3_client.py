@@ -47,7 +47,7 @@ def clients(options: dict[str, Any]) -> dict[str, tuple[Callable[[int, int], Any
         fs.retries = 1
     settings = object_get_settings(f"s3://{BUCKET}", options)
     assert settings is not None, "the test endpoint's options map onto obstore"
-    store = make_store(settings, policy.try_timeout + 60, policy.connect_timeout)
+    store = make_store(settings, policy.try_timeout + 60, policy.connect_timeout, policy.read_timeout)
     path = f"{BUCKET}/{KEY}"
     return {
         "s3fs": (lambda s, e: ours.cat_file(path, start=s, end=e), lambda: ours.cat_file(path)),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,9 +20,6 @@ from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRe
 from .storage.remote import RequestPolicy
 from .workers.resumable_loader import ResumableDataLoader
 from .workers.start import WorkerStart, check_start, start_server_early, uses_server, wait_for_server
-
-# torchdata 0.11 calls a torch API that warns on every iterator; the warning is for torchdata's authors.
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 class DiffusionDataloaderBuild(NamedTuple):
@@ -103,8 +100,11 @@ class ImageEditDataloaderConfig:
     """With "skip": fail anyway once more than this fraction of the cache was skipped (per loader process)."""
     quarantine_file: str | None = None
     """With "skip": JSONL file listing skipped samples (default: `.image_edit_data/quarantine.jsonl` in the cache)."""
-    storage_options: dict[str, Any] | None = None
-    """fsspec options when `cache_dir` is a URL (e.g. `{"endpoint_url": ..., "key": ..., "secret": ...}` for s3)."""
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # holds credentials: not shown
+    """fsspec options when `cache_dir` is a URL (`{"endpoint_url": ...}`; credentials best from the environment).
+
+    Credentials given here (`key`, `secret`, `token`, ...) are redacted from hyperparameters, checkpoints
+    and printed configs (docs/remote-caches.md)."""
     remote_read: RemoteRead = "range"
     """Remote packed caches: "range" reads each sample with one ranged request; "shard_cache" downloads shards."""
     local_cache_dir: str | None = None
@@ -272,15 +272,18 @@ class ImageEditDataloaderConfig:
         workers: dict[str, Any] = {}
         if self.num_workers > 0:
             workers = {"prefetch_factor": self.prefetch_factor, "worker_start": self.multiprocessing_context}
-        loader = ResumableDataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=collate_image_edit,
-            num_workers=self.num_workers,
-            worker_timeout=self.worker_timeout,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            # Our own generator: worker seeds then never draw from (or disturb) torch's global RNG.
-            generator=torch.Generator().manual_seed(self.seed),
-            **workers,
-        )
+        with warnings.catch_warnings():  # here, not for the whole process: importing this module changes no filter
+            # torchdata 0.11 calls a torch API that warns on every loader; the warning is for torchdata's authors.
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+            loader = ResumableDataLoader(
+                dataset,
+                batch_sampler=sampler,
+                collate_fn=collate_image_edit,
+                num_workers=self.num_workers,
+                worker_timeout=self.worker_timeout,
+                pin_memory=self.pin_memory and torch.cuda.is_available(),
+                # Our own generator: worker seeds then never draw from (or disturb) torch's global RNG.
+                generator=torch.Generator().manual_seed(self.seed),
+                **workers,
+            )
         return DiffusionDataloaderBuild(dataloader=loader, sampler=sampler)

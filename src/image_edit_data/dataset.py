@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from ._retry import with_read_retries
 from .batch.collate import AssembledBatch, assemble
 from .contract import validate
 from .contract.batch import Sample, SkippedSample
@@ -112,7 +111,7 @@ class ImageEditDataset(Dataset):
 
     def open_sample(self, idx: int) -> tuple[Sample, OpenPayload]:
         """Open payload `idx` and check it against the contract and its index record (no tensor bytes read yet)."""
-        return self.checked_sample(idx, with_read_retries(lambda: self.reader.open(idx), self.reader.display(idx)))
+        return self.checked_sample(idx, self.reader.open(idx))
 
     def checked_sample(self, idx: int, payload: OpenPayload) -> tuple[Sample, OpenPayload]:
         """Check opened payload `idx` against the contract and its index record; closes it if it fails.
@@ -149,8 +148,7 @@ class ImageEditDataset(Dataset):
         A sample that breaks the contract raises under the "raise" policy and is recorded in its
         place under "skip". Whatever was opened is closed when this raises.
         """
-        where = self.reader.display(indices[0]) if indices else str(self.cache_dir)
-        payloads: list[Opened | None] = with_read_retries(lambda: list(self.reader.open_many(indices)), where)
+        payloads: list[Opened | None] = list(self.reader.open_many(indices))  # each read retried where it is made
         results: list[Opening] = []
         try:
             for position, (index, payload) in enumerate(zip(indices, payloads)):

@@ -47,11 +47,17 @@ CONTENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ELO
 
 def is_transient(error: OSError) -> bool:
     """Whether an OS error may pass on a retry (EIO, EMFILE, ESTALE, ETIMEDOUT, ...), unlike a missing file."""
-    return error.errno not in CONTENT_ERRNOS
+    absent = isinstance(error, FileNotFoundError | IsADirectoryError | NotADirectoryError)
+    return not absent and error.errno not in CONTENT_ERRNOS
 
 
 def read_failed(file: str, error: OSError) -> NoReturn:
-    """Raise the error for an OS error reading `file`: a contract error if the file is absent, else a read error."""
+    """Raise the error for an OS error reading `file`: a contract error if the file is absent, else a read error.
+
+    A `CacheReadError` (a read that used up its tries) is raised as it is.
+    """
+    if isinstance(error, CacheReadError):
+        raise error
     if is_transient(error):
         raise CacheReadError(file, f"cannot be read: {error.strerror or error}") from error
     fail(file, "file", f"cannot be read: {error.strerror or error}")

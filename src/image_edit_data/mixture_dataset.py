@@ -9,7 +9,7 @@ Sources that could never share a batch are refused when the mixture opens (`chec
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ class CacheSource:
     """This source's share of each epoch is `weight / sum of weights`."""
     name: str | None = None
     """Name in batch metadata, the data monitor and errors (default: the last part of `cache_dir`)."""
-    storage_options: dict[str, Any] | None = None
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # holds credentials: not shown
     """fsspec options when `cache_dir` is a URL (default: the config's `storage_options`)."""
     remote_read: RemoteRead | None = None
     """Remote packed caches: "range" or "shard_cache" (default: the config's `remote_read`)."""

@@ -6,10 +6,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import Namespace, set_parsing_settings
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from ..storage.secrets import OPTIONS, redacted, redacted_options
 from .datamodule import ImageEditDataModule
 
 
@@ -42,6 +43,37 @@ class RunReport(pl.Callback):
             rank_zero_info(line)
 
 
+class RedactingParser(LightningArgumentParser):
+    """Lightning's parser, dumping configs with the credentials in storage options and URLs redacted.
+
+    `--print_config` and the `config.yaml` LightningCLI saves beside each run both come from `dump`.
+    """
+
+    def dump(self, cfg: Namespace, *args: Any, **kwargs: Any) -> str:
+        return super().dump(redacted_namespace(cfg), *args, **kwargs)  # type: ignore[no-any-return]
+
+
+def redacted_namespace(cfg: Namespace) -> Namespace:
+    """A copy of a parsed config with every `storage_options` value, and every URL, redacted (`storage/secrets.py`)."""
+    cfg = cfg.clone()
+    for key in list(cfg.keys()):
+        value = cfg[key]
+        if key.rsplit(".", 1)[-1] == OPTIONS:
+            cfg[key] = redacted_options(value)
+        elif isinstance(value, str | list | dict):
+            cfg[key] = redacted_tree(value)
+    return cfg
+
+
+def redacted_tree(value: Any) -> Any:
+    """`redacted` for config values that may hold namespaces (a mixture's `sources`)."""
+    if isinstance(value, Namespace):
+        return redacted_namespace(value)
+    if isinstance(value, list):
+        return [redacted_tree(item) for item in value]
+    return redacted(value)
+
+
 class ImageEditCLI(LightningCLI):
     """LightningCLI with our DataModule; the model class comes from the config (`model.class_path`)."""
 
@@ -59,5 +91,6 @@ def lightning_main(argv: list[str] | None) -> None:
         datamodule_class=ImageEditDataModule,
         # A resumed run writes into the same directory as the run it continues.
         save_config_kwargs={"overwrite": True},
+        parser_class=RedactingParser,
         args=argv,
     )

@@ -24,6 +24,7 @@ from ..mixture_dataset import MixtureDataset
 from ..preprocess.demo_cache import write_demo_cache
 from ..sampling.resume import restore
 from ..sampling.sampler import BucketBatchSampler, ResumeMismatchError, migrate_state
+from ..storage.secrets import redacted
 from .loader_wrapper import FailedLoader, LightningLoader
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,11 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.config = ImageEditDataloaderConfig(cache_dir=cache_dir, **options)
         # The workers' fork server imports torch and Lightning while the trainer and the model are made.
         self.config.start_workers_early()
-        # Every data option, defaults included, so each checkpoint records the whole data config.
+        # Every data option, defaults included, so each checkpoint records the whole data config; credentials
+        # in storage options (and inside URLs) are redacted: checkpoints and hparams.yaml get shared.
         module_options = {"batch_size": batch_size, "val_cache_dir": val_cache_dir}
         module_options |= {"on_resume_mismatch": on_resume_mismatch, "demo_samples": demo_samples}
-        self.save_hyperparameters({**dataclasses.asdict(self.config), **module_options})
+        self.save_hyperparameters(redacted({**dataclasses.asdict(self.config), **module_options}))
         self.train_dataset: ImageEditDataset | MixtureDataset | None = None
         self.val_dataset: ImageEditDataset | MixtureDataset | None = None
         self.train_loader: LightningLoader | None = None

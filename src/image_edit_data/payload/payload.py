@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 
 from .._atomic import write_bytes_atomic
+from .._retry import with_read_retries
 from ..contract.file_tensor import FileTensor
 from ..contract.paths import open_regular
 from ..errors import CacheFormatError, fail, read_failed, show
@@ -97,14 +98,15 @@ def open_payload(
     recorded XXH3-64, checked as the batch reads it.
     """
     try:
-        descriptor, info = opened or open_regular(path, display)
+        descriptor, info = opened or with_read_retries(lambda: open_regular(path, display), display)
     except OSError as error:
         read_failed(display, error)
     try:
         if member is not None or format_of(path) == "safetensors":
             where = member if member is not None else (0, info.st_size)
             return open_member(descriptor, display, where, checksum, f"read from {path}", owned=True)
-        fields, in_file = _torch_save_fields(path, descriptor, info.st_size, display)
+        size = info.st_size
+        fields, in_file = with_read_retries(lambda: _torch_save_fields(path, descriptor, size, display), display)
     except OSError as error:
         os.close(descriptor)
         read_failed(display, error)
@@ -139,7 +141,7 @@ def open_member(
         fail(display, "file", "is empty (0 bytes)")
     kept = descriptor if owned else None
     try:
-        tensors, extra, head = read_header(descriptor, size, display, base)
+        tensors, extra, head = with_read_retries(lambda: read_header(descriptor, size, display, base), display)
         fields = fields_from_header(tensors, extra, display)
     except OSError as error:
         read_failed(display, error)

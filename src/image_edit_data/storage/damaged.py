@@ -1,4 +1,4 @@
-"""Node-local verdicts on remote shards that failed their size or hash check on download.
+"""Node-local verdicts on remote shards that failed their size or hash check on two downloads in a row.
 
 A verdict is a small JSON file `<sha256>.damaged` in the shard cache directory, named like the
 cached shard by the hash the manifest gives (a repacked cache's new shard is a different file),

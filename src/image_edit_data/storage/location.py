@@ -22,6 +22,7 @@ from .mirror import local_dir_for, open_remote_index
 from .reader import LocalFilesReader, LocalPackedReader, PayloadReader
 from .remote import RemoteStore, RequestPolicy, is_url
 from .remote_reader import RemoteFilesReader, RemotePackedReader
+from .secrets import without_redacted
 from .shard_cache import ShardCache
 
 RemoteRead = Literal["range", "shard_cache"]
@@ -37,8 +38,8 @@ class CacheLocation:
     """The location as the user wrote it (a path or a URL), for messages."""
     local_path: Path | None
     """The cache directory on this machine, or None for a remote URL."""
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    """fsspec options for a URL (endpoint, credentials)."""
+    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # credentials: never shown
+    """fsspec options for a URL (endpoint, credentials; values a redaction left are dropped: `secrets.py`)."""
     remote_read: RemoteRead = "range"
     """Remote packed caches: one ranged request per sample, or a node-local shard cache."""
     local_cache_dir: str | None = None
@@ -74,7 +75,7 @@ class CacheLocation:
         return cls(
             given,
             Path(local) if local is not None else None,
-            dict(storage_options or {}),
+            without_redacted(storage_options or {}),
             remote_read,
             local_cache_dir,
             shard_cache_bytes,

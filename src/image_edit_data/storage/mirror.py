@@ -11,10 +11,11 @@ import hashlib
 from pathlib import Path
 
 from .._atomic import write_bytes_atomic
-from ..errors import fail
+from ..errors import fail, read_failed
 from ..index.index import MANIFEST, MAX_MANIFEST_BYTES, CacheIndex, load_manifest
 from ..index.store import open_index, user_cache_dir
 from .remote import RemoteStore
+from .secrets import redacted_url
 
 
 def default_local_root() -> Path:
@@ -42,11 +43,18 @@ def refresh(path: Path, data: bytes) -> None:
 def open_remote_index(store: RemoteStore, local_dir: Path, use_store: bool = True) -> CacheIndex:
     """The index of the cache at `store.url`, parsed from a local copy of its JSON files."""
     mirror = local_dir / "index"
-    size = store.size(MANIFEST)
+    try:
+        size = store.size(MANIFEST)
+    except FileNotFoundError:
+        shown = redacted_url(store.url)
+        raise FileNotFoundError(f"{shown}: no {MANIFEST} here; is {shown} an image-edit cache?") from None
     if size > MAX_MANIFEST_BYTES:
         fail(store.url_of(MANIFEST), "file", f"is {size} bytes, more than the {MAX_MANIFEST_BYTES} bytes allowed")
     refresh(mirror / MANIFEST, store.read_all(MANIFEST))
     _, shards = load_manifest(mirror)  # names checked to stay inside the cache before anything is fetched
     for shard in shards:
-        refresh(mirror / shard, store.read_all(shard))
+        try:
+            refresh(mirror / shard, store.read_all(shard))
+        except FileNotFoundError as error:  # as for a local cache: a missing index shard is a content fault
+            read_failed(redacted_url(store.url_of(shard)), error)
     return open_index(mirror, use_store=use_store)

@@ -3,16 +3,16 @@
 A 32 MiB shard costs the client 31-33 ms of CPU through obstore against 51-59 ms through s3fs,
 whose aiohttp body loop runs in Python and holds the GIL the training thread needs
 (`benchmarks/s3_client.py`; docs/performance-remote.md); a ranged GET of one member costs it
-about half. An endpoint that answers a ranged GET with a whole-object status (200), as `rclone
-serve s3` does, is refused by obstore (`RangeNotServed`); ranged reads there go through s3fs,
-which accepts such an answer. obstore is used only where it reaches
+about half. obstore refuses an answer to a ranged GET with a whole-object status (200), as `rclone
+serve s3` gives, so ranged reads go through it only once an s3fs answer showed status 206
+(`RemoteStore.ranged_get`). obstore is used only where it reaches
 the same object as the same identity s3fs would: an S3 URL whose storage options hold nothing but
 keys (or `anon`), an endpoint and a region, with an endpoint or a region given (s3fs finds a
 bucket's region by following S3's redirects; obstore does not). Credentials come from the
 options, else from botocore's own chain (environment, profile, SSO, instance role), as s3fs gets
 them. Any other option (TLS settings, botocore config, a profile argument) keeps every request on
-s3fs. Deadlines and retries stay `RemoteStore.call`'s: obstore's own retries are off, and each try
-is bounded by the timeout `call` gives it.
+s3fs. Deadlines and retries stay `RemoteStore.call`'s: obstore's own retries are off, a connection
+silent for the read timeout ends its try, and each try is bounded by the timeout `call` gives it.
 """
 
 from __future__ import annotations
@@ -88,12 +88,14 @@ def object_key(url: str) -> str:
     return url.partition("://")[2].split("/", 1)[1]
 
 
-def make_store(settings: ObjectGetSettings, timeout: float, connect_timeout: float) -> Any:
-    """An obstore S3 store for `settings`, its own retries off and each request bounded by `timeout` seconds."""
+def make_store(settings: ObjectGetSettings, timeout: float, connect_timeout: float, read_timeout: float) -> Any:
+    """An obstore S3 store for `settings`, its own retries off, each request bounded by `timeout` seconds and
+    ended by `read_timeout` seconds of silence (waiting for the answer or for more of its body)."""
     from obstore.store import S3Store
 
     client: ClientConfig = {
         "connect_timeout": datetime.timedelta(seconds=connect_timeout),
+        "read_timeout": datetime.timedelta(seconds=read_timeout),
         "timeout": datetime.timedelta(seconds=timeout),
     }
     config: S3Config = {"region": settings.region}
@@ -156,10 +158,6 @@ def runtime_usable() -> bool:
 _runtime_pid: int | None = None  # the process whose obstore runtime has started
 
 
-class RangeNotServed(Exception):
-    """The endpoint answered a ranged GET with a whole-object status (200), which obstore refuses."""
-
-
 def get_object(store: Any, url: str) -> Any:
     """The whole object at `url` as a buffer; obstore's not-found and access errors as Python's own."""
     import obstore
@@ -170,17 +168,12 @@ def get_object(store: Any, url: str) -> Any:
 def get_range(store: Any, url: str, start: int, length: int) -> Any:
     """`length` bytes of the object at `url` from `start`, as a buffer (fewer where the object ends sooner).
 
-    Errors as `get_object`'s; an endpoint that does not answer ranges as S3 does raises `RangeNotServed`.
+    Errors as `get_object`'s. Only for an endpoint known to answer ranges with status 206: obstore
+    refuses any other answer with its generic error.
     """
     import obstore
-    from obstore.exceptions import GenericError
 
-    try:
-        return _request(lambda: obstore.get_range(store, object_key(url), start=start, length=length))
-    except GenericError as error:
-        if "non-partial response" in str(error):
-            raise RangeNotServed(str(error).splitlines()[0]) from error
-        raise
+    return _request(lambda: obstore.get_range(store, object_key(url), start=start, length=length))
 
 
 def _request(send: Callable[[], Any]) -> Any:

@@ -15,12 +15,13 @@ finishes: between two refreshes, every batch's window lies inside the one pinned
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
 
-from .shard_cache import ShardCache
+from .shard_cache import DownloadStopped, ShardCache
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class ShardPrefetcher:
         self._covered: tuple[Any, int, int] | None = None  # (plan, first step, end step) the pins serve as they are
         self.slots = cache.budget // max((s.nbytes for s in cache.shards), default=1)  # shards the budget holds
         self._pool: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()  # set when the pool closes: its downloads in flight stop at their next piece
         self._pending: dict[int, Future[bool]] = {}
         self.errors: list[BaseException] = []
 
@@ -85,16 +87,17 @@ class ShardPrefetcher:
         self.cache.pin(set(needed))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shard-prefetch")
+            self._stop = threading.Event()
         for number, future in list(self._pending.items()):
             if future.done():
                 del self._pending[number]
                 error = future.exception()
-                if error is not None:
+                if error is not None and not isinstance(error, DownloadStopped):
                     self.errors.append(error)
                     log.warning("prefetching a shard failed (readers use ranged requests instead): %s", error)
         for number in needed:
             if number not in self._pending and not self.cache.local_path(number).exists():
-                self._pending[number] = self._pool.submit(self.cache.fetch, number)
+                self._pending[number] = self._pool.submit(self.cache.fetch, number, self._stop)
         self._covered = (plan, local, local + self.stride)
 
     def covered(self, plan: Any, local: int) -> bool:
@@ -116,17 +119,26 @@ class ShardPrefetcher:
         self._pending.clear()
 
     def close(self) -> None:
-        """Drop queued downloads, finish those in flight, stop the threads and release the pins."""
-        for future in self._pending.values():
-            future.cancel()  # only a download not yet started is cancelled
-        self.wait()
+        """Release the pins and return at once: queued downloads are dropped, and those in flight end on their own.
+
+        A download in flight stops at its next piece (a shard of one piece ends with its request,
+        within the request's deadline), then removes its hidden temporary file; its thread ends
+        with it. Waiting for it here would hold up a loader's rebuild for a whole download.
+        """
+        self._stop.set()
         if self._pool is not None:
-            self._pool.shutdown()
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        self._pending.clear()
         self.cache.close()
 
     def __getstate__(self) -> dict[str, object]:
         state = dict(self.__dict__)
         state["_pool"], state["_pending"] = None, {}  # threads and futures stay in their process
+        del state["_stop"]
         state["_covered"] = None
         return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._stop = threading.Event()

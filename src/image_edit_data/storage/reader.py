@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._retry import with_read_retries
 from ..contract.paths import ContainedOpener
 from ..errors import CacheFormatError, fail, read_failed
 from ..index.index import CacheIndex
@@ -87,7 +88,7 @@ class LocalFilesReader(PayloadReader):
     def open(self, idx: int) -> OpenPayload:
         relative = self.index.relative_path(idx)
         try:
-            path, descriptor, info = self.opener.open(relative, relative)
+            path, descriptor, info = with_read_retries(lambda: self.opener.open(relative, relative), relative)
         except OSError as error:
             read_failed(relative, error)
         return open_payload(path, relative, (descriptor, info))
@@ -164,7 +165,7 @@ class ShardFiles:
         """Open shard `number` and check its size against the manifest."""
         shard = self.shards[number]
         try:
-            path, descriptor, info = self.opener.open(shard.path, shard.path)
+            path, descriptor, info = with_read_retries(lambda: self.opener.open(shard.path, shard.path), shard.path)
         except OSError as error:
             read_failed(shard.path, error)
         return path, checked_size(descriptor, info, shard.nbytes, shard.path)
@@ -203,22 +204,52 @@ class CachedShardFiles(ShardFiles):
     a shard is opened, kept descriptors of evicted shards that no payload holds are closed. Recency
     for eviction is marked when a process opens a shard, not per read: the shards being read are
     pinned by the prefetcher, and pinned shards are never evicted whatever their age.
+
+    Before a batch is read, `wait_for_downloads` waits for downloads under way (by any process on
+    the node) of the batch's shards not open here yet: at most `wait` seconds per batch, and never
+    twice for one download. A shard still not cached then is read by range.
     """
+
+    REMEMBERED = 1024  # downloads remembered as waited for: a download waited for long ago has long ended
 
     def __init__(self, cache: ShardCache, wait: float, limit: int | None = None) -> None:
         self.cache = cache
-        self.wait = wait  # longest to wait for a download of the shard already in progress
+        self.wait = wait  # longest a batch waits for downloads of its shards already in progress
+        self.waits = 0  # batches that waited, in this process
+        self.waited: OrderedDict[tuple[str, int], None] = OrderedDict()  # downloads waited for: (file, inode)
         super().__init__(ContainedOpener(cache.directory), cache.shards, limit)
 
     def opened(self, number: int) -> tuple[str, int]:
         """Open cached shard `number` (size checked against the manifest); raises `NotCached` when it is not there."""
         self.close_evicted()
-        found = self.cache.open_when_cached(number, self.wait)
+        found = self.cache.open_cached(number)
         if found is None:
             raise NotCached(number)
         descriptor, info = found
         path = str(self.cache.local_path(number))
         return path, checked_size(descriptor, info, self.shards[number].nbytes, path)
+
+    def wait_for_downloads(self, numbers: set[int]) -> None:
+        """Wait (at most `wait` seconds) for the downloads in progress of shards `numbers` not open here yet,
+        each download once: waiting costs less than fetching the same bytes a second time, within a bound."""
+        with self.lock:
+            missing = {number for number in numbers if number not in self.open_files}
+        if not missing or self.wait <= 0:
+            return
+        downloads = {}
+        for number, path in self.cache.downloads(missing).items():
+            try:
+                identity = (path.name, path.stat().st_ino)
+            except FileNotFoundError:
+                continue  # ended since it was listed
+            if identity not in self.waited:
+                self.waited[identity] = None
+                downloads[number] = path
+        while len(self.waited) > self.REMEMBERED:
+            self.waited.popitem(last=False)
+        if downloads:
+            self.waits += 1
+            self.cache.wait_for(downloads, self.wait)
 
     def close_evicted(self) -> None:
         """Close kept descriptors whose shard was evicted (unlinked) and that no payload holds."""
@@ -277,7 +308,7 @@ def close_opened(results: Sequence[Opened | None]) -> None:
             result.close()
 
 
-def memory_file(data: bytes, name: str) -> tuple[int, os.stat_result]:
+def memory_file(data: bytes | bytearray | memoryview, name: str) -> tuple[int, os.stat_result]:
     """An anonymous file holding `data` (memfd on Linux), as a descriptor and its stat."""
     if hasattr(os, "memfd_create"):
         descriptor = os.memfd_create(name[-200:].replace("/", "_"), os.MFD_CLOEXEC)

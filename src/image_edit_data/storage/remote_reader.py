@@ -5,9 +5,11 @@ payload code reads it through a descriptor as it reads a local file (a `.pt` pay
 A member of a remote tar shard (one ranged request) is parsed where its bytes lie, and the batch
 copies its tensors out of them, checking its checksum in that same pass. A batch's requests run
 concurrently (up to `CONCURRENT_REQUESTS` at a time per process), so a batch costs about one round
-trip rather than one per sample. With a node-local shard cache, a cached shard is read in place
-and a missing one falls back to a ranged request (the prefetcher downloads shards, readers never
-wait for it). Each member read is checked against its checksum where the cache has them; a cache
+trip rather than one per sample; the first request to fail for good ends the batch's wait. With
+a node-local shard cache, a cached shard is read in place; a batch waits (a bounded time, once
+per download) for downloads of its shards already under way, and reads a shard still missing
+then by ranged requests (`CachedShardFiles`). A missing object is a content fault, as a missing
+local file is. Each member read is checked against its checksum where the cache has them; a cache
 packed before checksums has nothing to compare, so there a member of a shard the node marked
 damaged (`damaged.py`) is refused rather than read.
 """
@@ -17,10 +19,10 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import TypeVar
 
-from ..errors import CacheFormatError, fail
+from ..errors import CacheFormatError, fail, read_failed
 from ..index.index import CacheIndex
 from ..payload.member_check import Buffer
 from ..payload.payload import OpenPayload, open_member, open_payload, payload_from_bytes
@@ -37,9 +39,9 @@ from .reader import (
     remote_member,
 )
 from .remote import RemoteStore
+from .secrets import redacted_url
 from .shard_cache import ShardCache
 
-DOWNLOAD_WAIT = 30.0  # longest a reader waits for a shard download in progress (at most the request deadline)
 T = TypeVar("T")
 CONCURRENT_REQUESTS = 16  # per process: enough to hide a round trip for a batch, few enough to be polite
 
@@ -55,13 +57,25 @@ class Fetcher:
         return {"_pool": None, "_pid": -1}
 
     def run(self, requests: Sequence[Callable[[], T]]) -> list[T | BaseException]:
-        """Each request's result or error, in order; one request runs inline."""
+        """Each request's result or error, in order; one request runs inline.
+
+        The first error other than a content fault ends the wait: requests not started yet are
+        dropped, and in their places (and those of requests still running, left to end within their
+        own deadlines) stands that error, which the batch raises.
+        """
         if len(requests) <= 1:
             return [capture(request) for request in requests]
         if self._pool is None or self._pid != os.getpid():
             self._pool = ThreadPoolExecutor(CONCURRENT_REQUESTS, thread_name_prefix="remote-read")
             self._pid = os.getpid()
-        return list(self._pool.map(capture, requests))
+        futures = [self._pool.submit(capture, request) for request in requests]
+        for future in as_completed(futures):
+            result = future.result()
+            if isinstance(result, BaseException) and not isinstance(result, CacheFormatError):
+                for other in futures:
+                    other.cancel()
+                return [f.result() if f.done() and not f.cancelled() else result for f in futures]
+        return [future.result() for future in futures]
 
 
 def capture(request: Callable[[], T]) -> T | BaseException:
@@ -83,20 +97,26 @@ class RemoteFilesReader(PayloadReader):
         self.fetcher = Fetcher()
 
     def display(self, idx: int) -> str:
-        return self.store.url_of(self.index.relative_path(idx))
+        return redacted_url(self.store.url_of(self.index.relative_path(idx)))
 
     def open(self, idx: int) -> OpenPayload:
         return one(self.open_many([idx]))
 
     def open_many(self, indices: Sequence[int]) -> list[Opened]:
-        fetched = self.fetcher.run(
-            [functools.partial(self.store.read_all, self.index.relative_path(i)) for i in indices]
-        )
+        fetched = self.fetcher.run([functools.partial(self.fetch, i) for i in indices])
         return collect([functools.partial(self.from_fetched, i, data) for i, data in zip(indices, fetched)])
 
-    def from_fetched(self, idx: int, data: bytes | BaseException) -> OpenPayload:
+    def fetch(self, idx: int) -> Buffer:
+        """Payload `idx`'s bytes; a missing object is a content fault naming it, as a missing local file is."""
+        try:
+            return self.store.fetch(self.index.relative_path(idx))  # type: ignore[no-any-return]
+        except FileNotFoundError as error:
+            read_failed(self.display(idx), error)
+
+    def from_fetched(self, idx: int, data: Buffer | BaseException) -> OpenPayload:
         """Payload `idx` from its fetched bytes (or the error fetching them raised)."""
-        data = raised(data)
+        if isinstance(data, BaseException):
+            raise data
         relative = self.index.relative_path(idx)
         opened = memory_file(data, relative)
         return open_payload(f"/proc/self/fd/{opened[0]}", self.display(idx), opened, remote_member(relative, len(data)))
@@ -117,11 +137,11 @@ class RemotePackedReader(PayloadReader):
         self.fallbacks = 0  # shard-cache misses served by a ranged request, in this process
         self.fetcher = Fetcher()
         if shard_cache is not None:  # each cached shard opened once per process, not per sample
-            self.cached_files = CachedShardFiles(shard_cache, min(DOWNLOAD_WAIT, store.retry.deadline))
+            self.cached_files = CachedShardFiles(shard_cache, store.retry.download_wait)
 
     def display(self, idx: int) -> str:
         shard = self.index.shards[self.index.member(idx)[0]].path
-        return f"{self.store.url_of(shard)}[{self.index.relative_path(idx)}]"
+        return f"{redacted_url(self.store.url_of(shard))}[{self.index.relative_path(idx)}]"
 
     def open(self, idx: int) -> OpenPayload:
         return one(self.open_many([idx]))
@@ -129,6 +149,8 @@ class RemotePackedReader(PayloadReader):
     def open_many(self, indices: Sequence[int]) -> list[Opened]:
         cached: list[Opened | None] = []  # None: not in the shard cache, read by range
         try:
+            if self.shard_cache is not None:
+                self.cached_files.wait_for_downloads({self.index.member(idx)[0] for idx in indices})
             for idx in indices:
                 try:
                     cached.append(self.from_shard_cache(idx))
@@ -173,7 +195,10 @@ class RemotePackedReader(PayloadReader):
         number, offset, length = self.index.member(idx)
         if self.index.checksum(idx) is None:
             self.refuse_if_damaged(number, self.display(idx))
-        return self.store.read_range(self.index.shards[number].path, offset, length)
+        try:
+            return self.store.read_range(self.index.shards[number].path, offset, length)
+        except FileNotFoundError as error:  # the shard is gone: a content fault, as a missing local shard is
+            read_failed(self.display(idx), error)
 
     def from_bytes(self, idx: int, data: Buffer | BaseException) -> OpenPayload:
         """Payload `idx` from its fetched member bytes (or the fetch's error), parsed where they lie.
@@ -221,13 +246,6 @@ class RemotePackedReader(PayloadReader):
             f"{verdict.reason()}; the shard is marked damaged on this node ({self.damaged.path(shard)}) and "
             "the cache has no member checksums to check a member by, so none of its members is read",
         )
-
-
-def raised(value: T | BaseException) -> T:
-    """`value`, or raise it when it is an error a request returned."""
-    if isinstance(value, BaseException):
-        raise value
-    return value
 
 
 def one(results: list[Opened]) -> OpenPayload:

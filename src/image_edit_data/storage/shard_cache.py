@@ -9,10 +9,12 @@ Layout of the cache directory (one per remote cache URL):
 .lock                  lock file serialising budget decisions between processes
 ```
 A shard appears only by `os.replace` after its size and hash were checked (XXH3-128 when the
-manifest has it, else SHA-256: index/packed.py), so a reader never sees half of one; a failed or
-killed download leaves at most its temporary file, which the next process to open the cache
-removes once its owner is gone. A shard that fails the check is marked damaged for the whole node
-before its temporary file goes, and is never downloaded again.
+manifest has it, else SHA-256: index/packed.py), so a reader never sees half of one; a failed,
+stopped or killed download leaves at most its hidden temporary file, which the next process to
+open the cache removes once its owner is gone. A shard whose download fails the check is
+downloaded once more (bytes damaged in flight pass the second time); one that fails twice is
+marked damaged for the whole node, with what was found, before its temporary file goes, and is
+never downloaded again.
 Eviction removes the least recently used complete shards that nobody pins; a process that already
 opened a shard keeps reading it after eviction (POSIX keeps unlinked open files).
 """
@@ -30,11 +32,17 @@ from pathlib import Path
 from typing import NoReturn
 
 from .._process import pid_alive
+from .._retry import with_read_retries
 from ..index.packed import ShardInfo
 from .damaged import DamagedShards, Verdict
 from .remote import RemoteStore
+from .secrets import redacted_url
 
 log = logging.getLogger(__name__)
+
+
+class DownloadStopped(Exception):
+    """A download ended early because its owner closed (the prefetcher of a closed loader)."""
 
 
 class ShardCache:
@@ -52,7 +60,8 @@ class ShardCache:
         self.directory = Path(directory)
         self.budget = budget
         self.high_water = 0  # most bytes this process saw in the cache directory
-        self.downloaded = 0  # bytes this process downloaded
+        self.downloaded = 0  # bytes of the shards this process downloaded and cached
+        self.downloaded_bytes = 0  # bytes this process's downloads moved, failed and repeated ones included
         self._pins: dict[int, int] = {}  # shard number -> descriptor holding its shared pin lock
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -76,7 +85,7 @@ class ShardCache:
         """An open descriptor of cached shard `number` (and its stat), or None when it is not cached."""
         path = self.local_path(number)
         try:
-            descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            descriptor = with_read_retries(lambda: os.open(path, os.O_RDONLY | os.O_CLOEXEC), str(path))
         except FileNotFoundError:
             return None
         with contextlib.suppress(OSError):
@@ -85,25 +94,41 @@ class ShardCache:
 
     def downloading(self, number: int) -> bool:
         """Whether a live process on the node is downloading shard `number` right now."""
-        prefix = f".{self.shards[number].sha256}."
+        return number in self.downloads({number})
+
+    def downloads(self, numbers: set[int]) -> dict[int, Path]:
+        """Of shards `numbers`, those a live process on the node is downloading now, and their temporary files."""
+        prefixes = {f".{self.shards[n].sha256}.": n for n in numbers}
+        found: dict[int, Path] = {}
         for name in os.listdir(self.directory):
-            if name.startswith(prefix) and name.endswith(".tmp"):
-                pid = name[len(prefix) :].split(".")[0]
-                if pid.isdigit() and pid_alive(int(pid)):
-                    return True
-        return False
+            if not (name.startswith(".") and name.endswith(".tmp")):
+                continue
+            prefix, _, rest = name[1:].partition(".")
+            number = prefixes.get(f".{prefix}.")
+            pid = rest.split(".")[0]
+            if number is not None and pid.isdigit() and pid_alive(int(pid)):
+                found[number] = self.directory / name
+        return found
 
-    def open_when_cached(self, number: int, timeout: float) -> tuple[int, os.stat_result] | None:
-        """`open_cached`, first waiting up to `timeout` seconds while a download of the shard is in progress.
+    def wait_for(self, downloads: dict[int, Path], timeout: float) -> None:
+        """Return once every download of `downloads` (its temporary file) has ended, or after `timeout` seconds.
 
-        Waiting for a download already under way costs less than fetching the same bytes a second time.
+        A download ends by its rename into place (atomic: the shard appears as the file goes), by
+        its failure, or with its process. Polled without a lock: a cached shard is read meanwhile.
         """
         deadline = time.monotonic() + timeout
-        opened = self.open_cached(number)
-        while opened is None and time.monotonic() < deadline and self.downloading(number):
-            time.sleep(0.005)
-            opened = self.open_cached(number)
-        return opened
+        pause = 0.005
+        left = dict(downloads)
+        while left:
+            for number, path in list(left.items()):
+                pid = path.name.split(".")[2]
+                if not path.exists() or not pid_alive(int(pid)):
+                    del left[number]
+            now = time.monotonic()
+            if not left or now >= deadline:
+                return
+            time.sleep(min(pause, deadline - now))
+            pause = min(2 * pause, 0.05)
 
     @contextlib.contextmanager
     def directory_lock(self) -> Iterator[None]:
@@ -187,8 +212,12 @@ class ShardCache:
             self.high_water = max(self.high_water, used + need)
         return temporary
 
-    def fetch(self, number: int) -> bool:
-        """Download shard `number` unless cached; False when the budget has no room for it now, or it is damaged."""
+    def fetch(self, number: int, stop: threading.Event | None = None) -> bool:
+        """Download shard `number` unless cached; False when the budget has no room for it now, or it is damaged.
+
+        A download that fails its size or hash check is made once more before the shard is marked
+        damaged and refused. Setting `stop` ends a download between two of its pieces (`DownloadStopped`).
+        """
         if self.local_path(number).exists():
             return True
         if self.damaged.find(self.shards[number]) is not None:
@@ -196,37 +225,55 @@ class ShardCache:
         temporary = self.reserve(number)
         if temporary is None:
             return self.local_path(number).exists()
-        shard = self.shards[number]
         try:
-            field, expected, digest = shard.whole_checks()[-1]
-            with open(temporary, "r+b") as stream:
-
-                def write(piece: bytes | memoryview) -> None:
-                    digest.update(piece)
-                    stream.write(piece)
-
-                size = self.store.download(shard.path, write, shard.nbytes)
-                if size != shard.nbytes:
-                    self.refuse(number, Verdict("bytes", str(size), str(shard.nbytes)), "truncated or replaced")
-                if digest.hexdigest() != expected:
-                    self.refuse(number, Verdict(field, digest.hexdigest(), expected), "damaged or replaced")
-                stream.flush()
-                os.fsync(stream.fileno())
+            found = self.download_into(number, temporary, stop)
+            if found is not None:
+                log.warning("%s; downloading it once more", self.finding(number, found))
+                found = self.download_into(number, temporary, stop)
+            if found is not None:
+                self.refuse(number, found)
             with self.directory_lock():  # a rename seen half-done by a budget count would miss the shard
                 os.replace(temporary, self.local_path(number))
-            self.downloaded += size
+            self.downloaded += self.shards[number].nbytes
             return True
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temporary.unlink()
 
-    def refuse(self, number: int, verdict: Verdict, what: str) -> NoReturn:
+    def download_into(self, number: int, temporary: Path, stop: threading.Event | None) -> Verdict | None:
+        """Download shard `number` over `temporary`, synced to disk; what its size or hash check found, or None."""
+        shard = self.shards[number]
+        field, expected, digest = shard.whole_checks()[-1]
+        with open(temporary, "r+b") as stream:
+
+            def write(piece: bytes | memoryview) -> None:
+                if stop is not None and stop.is_set():
+                    raise DownloadStopped(self.store.url_of(shard.path))
+                digest.update(piece)
+                stream.write(piece)
+
+            size = self.store.download(shard.path, write, shard.nbytes)
+            self.downloaded_bytes += size
+            if size != shard.nbytes:
+                return Verdict("bytes", str(size), str(shard.nbytes))
+            if digest.hexdigest() != expected:
+                return Verdict(field, digest.hexdigest(), expected)
+            stream.flush()
+            os.fsync(stream.fileno())
+        return None
+
+    def finding(self, number: int, verdict: Verdict) -> str:
+        """What a download of shard `number` found, naming it: its URL, the field and both values."""
+        return f"{redacted_url(self.store.url_of(self.shards[number].path))}: {verdict.field}: {verdict.reason()}"
+
+    def refuse(self, number: int, verdict: Verdict) -> NoReturn:
         """Mark shard `number` damaged for the node (before its temporary file goes), then raise naming it."""
         shard = self.shards[number]
         self.damaged.record(shard, verdict)
+        what = "truncated or replaced" if verdict.field == "bytes" else "damaged or replaced"
         raise ValueError(
-            f"{self.store.url_of(shard.path)}: {verdict.field}: {verdict.reason()} ({what}); marked damaged on this "
-            f"node ({self.damaged.path(shard)}): no reader here uses it whole or reads it unchecked"
+            f"{self.finding(number, verdict)} on two downloads ({what}); marked damaged on this node "
+            f"({self.damaged.path(shard)}): no reader here uses it whole or reads it unchecked"
         )
 
     def remove_orphans(self) -> None:

@@ -188,25 +188,31 @@ class ResumableDataLoader(StatefulDataLoader):
         """The child processes started since `_start_pool`: this pool's workers (nothing else starts meanwhile)."""
         return children_since(self._existing)
 
-    def _end_pool(self, error: BaseException | None = None) -> None:
-        """Stop the running pool; its processes are gone when this returns, and the next pass starts a new one."""
+    def _end_pool(self, error: BaseException | None = None, at_once: bool = False) -> None:
+        """Stop the running pool; its processes are gone when this returns, and the next pass starts a new one.
+
+        `at_once` (closing the loader) ends a fork server's workers without waiting for a batch they are loading.
+        """
         processes, self._pool = self._pool, []
         if self._deadline is not None:
             self._deadline.stop()
             self._deadline = None
         if error is not None:
             release_frames(error)
-            if self.worker_start == "forkserver":
-                # A failed pool's workers may be stuck: end them now rather than have torch wait for each. A fork
-                # server's workers are not children of this process, so no SIGCHLD reaches torch's handler.
-                end_processes(processes)
+        if (error is not None or at_once) and self.worker_start == "forkserver":
+            # A failed pool's workers may be stuck, and a closed loader's may be loading a batch nobody will take: end
+            # them now rather than have torch wait for each. A fork server's workers are not children of this process,
+            # so no SIGCHLD reaches torch's handler.
+            end_processes(processes)
         batches = weakref.ref(self._batches) if self._batches is not None else None
         self._batches = None
         self._pool_running = False
         self._pool_answered = False
         super().load_state_dict({})  # torchdata's public way to drop its iterator, whose finaliser stops the pool
+        if self.num_workers == 0:
+            return  # no pool: nothing for the (costly) collection below to stop
         if batches is not None and batches() is not None:
-            gc.collect()  # held in a reference cycle: the collector runs its finaliser
+            gc.collect()  # held in a reference cycle: the collector runs its finaliser, which stops the pool
         if batches is not None and batches() is not None and self.worker_start != "forkserver":
             # Torch's finaliser has not run, so its SIGCHLD handler still watches these children: ending them
             # here would raise in this process. (A fork server's workers are not children: they end below.)
@@ -234,7 +240,7 @@ class ResumableDataLoader(StatefulDataLoader):
         if current is not None:
             current.close()
         self._pass_in_progress = None
-        self._end_pool()
+        self._end_pool(at_once=True)
         self.batch_sampler.close()  # type: ignore[union-attr]
         close_files = getattr(self.dataset, "close", None)
         if callable(close_files):

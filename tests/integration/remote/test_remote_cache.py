@@ -7,6 +7,7 @@ checkpoint resumes exactly from it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -14,6 +15,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,15 @@ def batches(cache: str | Path, workers: int, **options: Any) -> list[list[int]]:
         return [b["metadata"]["sample_indices"] for b in built.dataloader]
     finally:
         if built.sampler.observer is not None:
-            built.sampler.observer.close()
+            built.sampler.observer.close()  # returns at once: downloads in flight end on their own
+            downloads_ended(options.get("local_cache_dir"))
+
+
+def downloads_ended(local: str | None, within: float = 30.0) -> None:
+    """Wait until the downloads a closed prefetcher left in flight have ended (each within its request's bound)."""
+    deadline = time.monotonic() + within
+    while local and list(Path(local).glob("*/shards/.*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def fs(options: dict[str, Any]) -> Any:
@@ -96,18 +107,40 @@ def test_a_one_file_per_sample_cache_in_s3_reads_like_the_local_one(
     assert batches("s3://bucket/files", 0, storage_options=s3, local_cache_dir=str(tmp_path)) == batches(source, 0)
 
 
+def test_a_missing_object_is_the_content_fault_a_missing_local_file_is_and_skip_drops_it(
+    s3: dict[str, Any], tmp_path: Path
+) -> None:
+    local = tiny_cache(tmp_path / "local", counts=(4, 3), suffix=".safetensors")
+    fs(s3).put(str(local), "bucket/holes", recursive=True)
+    remote = ImageEditDataset("s3://bucket/holes", storage_options=s3, local_cache_dir=str(tmp_path / "mirror"))
+    victim = remote.index.relative_path(5)
+    (local / victim).unlink()
+    fs(s3).rm(f"bucket/holes/{victim}")
+    with pytest.raises(CacheFormatError, match=r"file: cannot be read: No such file") as on_disk:
+        ImageEditDataset(local)[5]
+    with pytest.raises(CacheFormatError, match=rf"s3://bucket/holes/{victim}: file: cannot be read: does not exist"):
+        remote[5]
+    assert on_disk.value.field == "file"
+    skip = {"on_corrupt_sample": "skip", "max_corrupt_fraction": 0.5}
+    quarantine = tmp_path / "remote.jsonl"
+    options = dict(storage_options=s3, local_cache_dir=str(tmp_path / "mirror"), quarantine_file=str(quarantine))
+    assert batches("s3://bucket/holes", 0, **options, **skip) == batches(local, 0, **skip)  # the same samples dropped
+    (line,) = quarantine.read_text().splitlines()
+    assert json.loads(line)["file"] == f"s3://bucket/holes/{victim}" and json.loads(line)["field"] == "file"
+
+
 def copy_packed(s3: dict[str, Any], packed_url: str, name: str) -> str:
     fs(s3).copy(packed_url.removeprefix("s3://"), f"bucket/{name}", recursive=True)
     return f"s3://bucket/{name}"
 
 
-def test_a_missing_shard_is_an_error_naming_its_url(s3: dict[str, Any], packed_url: str, tmp_path: Path) -> None:
+def test_a_missing_shard_is_a_content_fault_naming_its_url(s3: dict[str, Any], packed_url: str, tmp_path: Path) -> None:
     url = copy_packed(s3, packed_url, "missing")
     dataset = ImageEditDataset(url, storage_options=s3, local_cache_dir=str(tmp_path))
     shard = dataset.index.shards[0].path
     fs(s3).rm(f"bucket/missing/{shard}")
     victim = next(i for i in range(len(dataset)) if dataset.index.member(i)[0] == 0)
-    with pytest.raises(FileNotFoundError, match=rf"{url}/{shard}: does not exist"):
+    with pytest.raises(CacheFormatError, match=rf"{url}/{shard}\[.*\]: file: cannot be read: does not exist"):
         dataset[victim]
 
 
@@ -121,8 +154,8 @@ def test_a_truncated_or_replaced_shard_is_refused_and_leaves_nothing_in_the_loca
     data = fs(s3).cat_file(f"bucket/damaged/{first.path}")
     fs(s3).pipe_file(f"bucket/damaged/{first.path}", data[:700])  # cut inside the first member
     victim = next(i for i in range(len(index)) if index.member(i)[0] == 0)
-    with pytest.raises(RemoteError, match=rf"{url}/{first.path}: reading bytes .* returned \d+ bytes"):
-        reader.open(victim)
+    with pytest.raises(CacheFormatError, match=rf"{url}/{first.path}: bytes: reading bytes .* returned \d+ bytes"):
+        reader.open(victim)  # a content fault, as a local shard of the wrong size is
     tampered = bytearray(fs(s3).cat_file(f"bucket/damaged/{second.path}"))
     tampered[-100] ^= 1
     fs(s3).pipe_file(f"bucket/damaged/{second.path}", bytes(tampered))
@@ -293,10 +326,12 @@ def test_a_shard_another_process_is_downloading_is_not_fetched_twice(
     busy.write_bytes(b"")
     assert not cache.fetch(3) and not cache.local_path(3).exists()
     assert [p.name for p in directory.glob(".*.tmp")] == [busy.name]
-    assert cache.open_when_cached(3, timeout=0.05) is None  # a reader waits a bounded time, then reads ranges
+    assert cache.downloads({2, 3}) == {3: busy}
+    cache.wait_for({3: busy}, timeout=0.05)  # a reader waits a bounded time, then reads ranges
+    assert cache.open_cached(3) is None
     busy.unlink()
     assert cache.fetch(3)
-    opened = cache.open_when_cached(3, timeout=0.05)
+    opened = cache.open_cached(3)
     assert opened is not None
     os.close(opened[0])
 
@@ -318,6 +353,79 @@ def test_a_lightning_cli_fit_with_workers_on_s3_killed_after_a_checkpoint_resume
     resumed = cli_config(tmp_path / "resumed.yaml", run, packed_url, s3, None)
     main(["fit", "--config", str(resumed), "--ckpt_path", str(run / "ckpt" / "step=5.ckpt")])
     assert len(records(run)) > 5 and records(run) == records(whole)
+
+
+PLANTED = {"key": "AKIAPLANTED7KEY3ID", "secret": "planted-secret-4c1e9b", "token": "planted-token-77aa0f"}
+
+
+def planted_in(path: Path) -> list[str]:
+    """The planted credentials found in a file's bytes (a checkpoint's zip members are stored uncompressed)."""
+    data = path.read_bytes()
+    return [value for value in PLANTED.values() if value.encode() in data]
+
+
+def test_credentials_never_reach_a_checkpoint_a_logged_or_printed_config_a_log_or_an_error_and_resume_still_works(
+    s3: dict[str, Any],
+    packed_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from image_edit_data.lightning import ImageEditDataModule
+
+    out = tmp_path / "run"
+    options = {**s3, **PLANTED}  # moto accepts any key; the clients sign every request with these
+    data = {"cache_dir": packed_url, "batch_size": 2, "num_workers": 0, "storage_options": options}
+    config = cli_config_with_logger(tmp_path / "fit.yaml", out, data | {"local_cache_dir": str(tmp_path / "local")})
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(config), "--print_config"])
+    printed = capsys.readouterr().out
+    assert "AKIAPLANTED" not in printed and "planted-" not in printed and "<redacted>" in printed
+    main(["fit", "--config", str(config)])
+    files = [*out.rglob("*.ckpt"), *out.rglob("hparams.yaml"), *out.rglob("config.yaml")]
+    assert {path.suffix for path in files} == {".ckpt", ".yaml"} and len(files) >= 3, files
+    assert {str(path): planted_in(path) for path in files} == {str(path): [] for path in files}
+    assert not [value for value in PLANTED.values() if value in caplog.text]
+    hparams = next(out.rglob("hparams.yaml")).read_text()
+    assert "secret: <redacted>" in hparams and f"endpoint_url: {s3['endpoint_url']}" in hparams  # the rest stays
+    # Resuming: the checkpoint's module reads the cache with the credentials of the environment (as botocore does).
+    module = ImageEditDataModule.load_from_checkpoint(str(next(out.rglob("*.ckpt"))))
+    module.setup("fit")
+    assert module.train_dataset is not None and len(module.train_dataset[0]["metadata"]) > 0
+    # An error names endpoint and object, never a credential, even one inside the endpoint's URL.
+    with silent_port() as port:
+        store = RemoteStore(
+            packed_url,
+            {**options, "endpoint_url": f"http://AKIAPLANTED7KEY3ID:planted-secret-4c1e9b@127.0.0.1:{port}"},
+            RequestPolicy(connect_timeout=0.2, read_timeout=0.2, attempts=1, deadline=0.3),
+        )
+        with pytest.raises(RemoteError) as raised:
+            store.read_range("shards/b0000-000000.tar", 0, 10)
+    shown = f"{raised.value} {raised.value.__notes__ if hasattr(raised.value, '__notes__') else ''} {store!r}"
+    assert "127.0.0.1" in shown and not [value for value in PLANTED.values() if value in shown], shown
+
+
+def cli_config_with_logger(path: Path, out: Path, data: dict[str, Any]) -> Path:
+    """A LightningCLI fit config for one short epoch with a CSV logger (it writes hparams.yaml) and checkpoints."""
+    import yaml
+
+    trainer = {"accelerator": "cpu", "devices": 1, "max_epochs": 1, "limit_train_batches": 2}
+    trainer |= {"enable_progress_bar": False, "enable_model_summary": False, "default_root_dir": str(out)}
+    trainer["logger"] = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(out)}}
+    model = {"class_path": "support.fits.RecordingModel", "init_args": {"out": str(out)}}
+    path.write_text(yaml.safe_dump({"trainer": trainer, "model": model, "data": data}))
+    return path
+
+
+@contextlib.contextmanager
+def silent_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that accepts connections and never answers."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield listener.getsockname()[1]
 
 
 def damage_member(s3: dict[str, Any], url: str, index: Any, sample: int) -> tuple[str, str, str, str]:

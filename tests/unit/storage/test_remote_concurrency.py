@@ -57,7 +57,7 @@ def test_a_batch_of_a_remote_cache_is_fetched_with_concurrent_requests(
         fs = fsspec.filesystem("s3", skip_instance_cache=True, **s3)
         fs.put(str(source), url.removeprefix("s3://"), recursive=True)
     flight = InFlight()
-    reading = "read_range" if layout == "packed" else "read_all"
+    reading = "read_range" if layout == "packed" else "fetch"
     monkeypatch.setattr(RemoteStore, reading, flight.around(getattr(RemoteStore, reading)))
     options = {"storage_options": s3, "local_cache_dir": str(tmp_path / "local")}
     built = ImageEditDataloaderConfig(url, num_workers=0, shuffle=False, **options).build(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -114,3 +115,33 @@ def test_a_missing_payload_file_is_still_a_content_fault_that_skip_drops(files: 
         ImageEditDataset(copy)[1]
     batch = dataset.__getitems__([0, 1]).batch
     assert [s["index"] for s in batch["metadata"]["skipped_samples"]] == [1]
+
+
+def test_a_read_inside_a_batch_is_tried_as_often_as_its_error_says_and_no_more(
+    packed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member whose header does not parse is read again whole; that read keeps failing. It is tried three times,
+    the error says three, and the batch around it is not tried again (which would multiply the tries)."""
+    copy = tmp_path / "packed"
+    shutil.copytree(packed, copy)
+    dataset = ImageEditDataset(copy, on_corrupt_sample="skip")
+    number, offset, length = dataset.index.member(0)
+    shard = copy / dataset.index.shards[number].path
+    data = bytearray(shard.read_bytes())
+    data[offset : offset + 8] = b"\xff" * 8  # a header length no member can hold
+    shard.write_bytes(bytes(data))
+    seen: list[int] = []
+    real = os.pread
+
+    def pread(descriptor: int, size: int, at: int) -> bytes:
+        if at == offset and size == length:
+            seen.append(size)
+            if len(seen) > 1:  # the first read parses the header; every read of the whole member after it fails
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(descriptor, size, at)
+
+    monkeypatch.setattr(os, "pread", pread)
+    with pytest.raises(CacheReadError, match=r"cannot be read: Input/output error \(tried 3 times\)"):
+        dataset.__getitems__([0, 1])
+    assert len(seen) - 1 == 3
+    assert not dataset.skips.skipped

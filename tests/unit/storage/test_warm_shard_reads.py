@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from image_edit_data.payload.payload import OpenPayload
 from image_edit_data.preprocess.tools.pack import pack_cache
 from image_edit_data.storage.damaged import DamagedShards
 from image_edit_data.storage.prefetch import ShardPrefetcher
-from image_edit_data.storage.remote import RemoteStore
+from image_edit_data.storage.remote import RemoteStore, RequestPolicy
 from image_edit_data.storage.remote_reader import RemotePackedReader
 from image_edit_data.storage.shard_cache import ShardCache
 
@@ -172,3 +173,39 @@ def test_a_mixture_sources_prefetcher_also_scans_the_plan_a_few_times_per_window
         assert plan.scans <= steps // 2
     finally:
         mixture.close()
+
+
+def test_a_batch_waits_once_within_the_deadline_for_downloads_under_way_then_reads_by_range(
+    packed: Path, tmp_path: Path
+) -> None:
+    """Two of a batch's shards are being downloaded (by another process, say) and never finish: the batch waits
+    for them once, at most `download_wait` in all, reads their members by range, and never waits for them again."""
+    index = open_index(packed, use_store=False)
+    policy = RequestPolicy(deadline=0.6)
+    store = RemoteStore(f"file://{packed}", retry=policy)
+    directory = tmp_path / "cache"
+    cache = ShardCache(store, index.shards, directory, 10 * sum(shard.nbytes for shard in index.shards))
+    reader = RemotePackedReader(index, store, cache, DamagedShards(directory))
+    batch = [sample_in_shard(packed, number, skip) for number in (0, 1) for skip in (0, 1)]
+    for number in (0, 1):  # downloads under way by a live process (this one), which never end
+        (directory / f".{index.shards[number].sha256}.{os.getpid()}.{number}.tmp").write_bytes(b"")
+    expected = targets_of(warm_reader(packed, tmp_path / "warm").open_many(batch))
+    for round in range(2):
+        started = time.monotonic()
+        assert all(torch.equal(a, b) for a, b in zip(targets_of(reader.open_many(batch)), expected))
+        elapsed = time.monotonic() - started
+        if round == 0:  # one wait for both downloads, not one per sample or per shard
+            assert policy.download_wait <= elapsed < 2 * policy.download_wait, elapsed
+        else:  # the same downloads: not waited for again
+            assert elapsed < policy.download_wait / 2, elapsed
+    assert reader.cached_files.waits == 1 and reader.fallbacks == 8
+
+
+def targets_of(opened: list[Any]) -> list[torch.Tensor]:
+    """The target latents of a batch's opened payloads (closed after)."""
+    targets = []
+    for payload in opened:
+        assert isinstance(payload, OpenPayload)
+        with payload:
+            targets.append(payload.fields["target_latent"].materialize())
+    return targets
