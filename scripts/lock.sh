@@ -16,7 +16,7 @@ fi
 uv pip compile pyproject.toml \
   --extra build --extra lora --extra remote --extra plots --extra ray \
   --group pyproject.toml:test --group pyproject.toml:bench \
-  --constraint <(echo "torch==${TORCH_VERSION:-2.13.0}") \
+  --constraint <(echo "torch==${TORCH_VERSION:-2.13.0}+cpu") \
   "${torch_source[@]}" \
   --python-version 3.11 --python-platform x86_64-unknown-linux-gnu \
   --no-emit-find-links --no-header --quiet --output-file "$lock" "$@"
