@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -248,6 +249,7 @@ def test_demo_cache_builds_through_the_same_path_and_reloads(tmp_path: Path, cap
     )
     out = capsys.readouterr().out
     assert "wrote 12 payloads" in out and "12 samples in 1 index shard(s)" in out
+    assert re.search(r"encoders busy \d+% of the [\d.]+ s of encoding \([\d.]+ samples/s\)", out), out
     dataset = ImageEditDataset(cache)
     assert len(dataset) == 12 and dataset[0]["metadata"]["manifest_metadata"]["seed"] == 3
     assert (

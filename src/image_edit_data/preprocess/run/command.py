@@ -96,6 +96,9 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--batch-size", type=int, default=8, help="Images or prompts per encoder call.")
     parser.add_argument("--num-workers", type=int, default=4, help="Threads reading images and writing payloads.")
+    parser.add_argument(
+        "--read-ahead", type=int, default=16, help="Samples read ahead of the encoders (0: nothing overlaps)."
+    )
     parser.add_argument("--rank", type=int | None, default=None, help="This process's rank (default: $RANK or 0).")
     parser.add_argument("--world-size", type=int | None, default=None, help="Ranks (default: $WORLD_SIZE or 1).")
     parser.add_argument("--merge-only", action=ActionYesNo, default=False, help="Only merge finished journals.")
@@ -154,6 +157,7 @@ def run_build(args: Namespace, console: Console) -> int:
         on_bad_sample=args.on_bad_sample,
         batch_size=args.batch_size,
         num_workers=args.num_workers,
+        read_ahead=args.read_ahead,
         merge_timeout=args.merge_timeout,
         poll_interval=args.poll_interval,
     )
@@ -230,6 +234,12 @@ def print_summary(console: Console, report: BuildReport) -> None:
         console.print(
             f"{who}wrote {report.written} payloads ({report.already_done} of {report.assigned} already done"
             f"{f', {skipped} skipped: {reasons}' if skipped else ''}) in {report.seconds:.1f} s"
+        )
+    if report.encoding_seconds > 0:
+        share = report.encoder_seconds / report.encoding_seconds
+        console.print(
+            f"{who}encoders busy {share:.0%} of the {report.encoding_seconds:.1f} s of encoding "
+            f"({(report.written + sum(report.skipped.values())) / report.encoding_seconds:.2f} samples/s)"
         )
     if report.truncated:
         console.print(
