@@ -212,6 +212,15 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the cache CLI to completion and capture its output."""
     return subprocess.run(cli_command(*args), env=cli_env(), capture_output=True, text=True, timeout=timeout)

@@ -121,7 +121,8 @@ def test_two_ranks_build_the_same_index_as_one(tmp_path: Path, manifest: Path) -
     cache = tmp_path / "two"
     # One image per encoder call on both sides: the ranks see other sets of images than one process does, and a
     # matmul over another number of rows may take another BLAS kernel, whose last bits differ.
-    options = ["--world-size", "2", "--poll-interval", "0.1", "--batch-size", "1"]
+    # An hour between looks: rank 0 is woken by rank 1's journal lines, not by a clock.
+    options = ["--world-size", "2", "--poll-interval", "3600", "--batch-size", "1"]
     ranks = [
         subprocess.Popen(
             cli_command(*build_args(manifest, cache, "--rank", str(r), *options)),

@@ -5,11 +5,13 @@ in fixed windows of `batch_size * WINDOW_BATCHES` positions, so a rerun forms th
 uninterrupted run. The next windows are read while one encodes, and the last ones written meanwhile
 (`overlap.py`); the encoders see the same batches either way. A window's payloads are written first,
 then its journal lines (see `journal.py`); positions already journaled are not encoded again. Rank 0
-then waits until all positions are journaled and merges the index (`merge.py`); `merge_only` does only that.
+then waits until all positions are journaled (woken by the others' journal lines, or under torchrun by the
+last rank's end: `rank_meeting.py`) and merges the index (`merge.py`); `merge_only` does only that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -29,6 +31,7 @@ from .encode import Prepared, encode_window, prepare
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .overlap import ReadAhead, Stopwatch, WriteBehind
+from .rank_meeting import meet
 from .resize import ResizePolicy
 from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
 
@@ -70,7 +73,8 @@ class BuildOptions:
     merge_timeout: float = 3600.0
     """Seconds rank 0 waits for the other ranks before giving up on merging."""
     poll_interval: float = 2.0
-    """Seconds between rank 0's checks of the other ranks' journals."""
+    """Longest wait between rank 0's looks at the other ranks' journals; a change on a local disk, or the end of
+    every rank under torchrun, wakes it at once."""
 
     def check(self) -> None:
         """Refuse impossible values, naming the option."""
@@ -100,6 +104,7 @@ class BuildReport:
     truncated: int = 0  # payloads written by this run whose prompt a length limit cut (each warned)
     encoder_seconds: float = 0.0  # inside encoder calls
     encoding_seconds: float = 0.0  # the encoding phase: encoders loaded, from the first read to the last journal line
+    encoding_started: float = 0.0  # when it began, as time.time() (to line up ranks' phases)
 
 
 def instantiate(spec: EncoderSpec, protocol: type | tuple[type, ...], name: str) -> Any:
@@ -172,6 +177,7 @@ def build_cache(
     rows = len(source) if options.num_samples is None else min(options.num_samples, len(source))
     mine = list(range(rank, rows, world_size))
     done = SliceProgress()
+    met = None
     if not merge_only:
         clear_failure(root, rank)
         if remove_stale_temporaries(root, {row_index_of(source, p) for p in mine}):
@@ -179,10 +185,17 @@ def build_cache(
         try:
             done = _encode_slice(root, rank, source, mine, (image_encoder, text_encoder), options, on_progress, say)
         except BaseException as error:
-            write_failure(root, rank, f"{type(error).__name__}: {error}")
+            message = f"{type(error).__name__}: {error}"
+            write_failure(root, rank, message)
+            if isinstance(error, Exception):  # the others wait for this rank's word; an interrupt ends them all
+                with contextlib.suppress(Exception):
+                    meet(rank, world_size, message, options.merge_timeout)
             raise
+        met = meet(rank, world_size, None, options.merge_timeout)
     merged = None
     if rank == 0:
+        for other, message in (met or {}).items():
+            raise RuntimeError(f"{root}: rank {other} stopped, so the index was not merged: {message}")
         entries = wait_for_journals(
             root,
             rows,
@@ -212,6 +225,7 @@ def build_cache(
         done.truncated,
         done.encoder_seconds,
         done.encoding_seconds,
+        done.encoding_started,
     )
 
 
@@ -225,6 +239,7 @@ class SliceProgress:
     truncated: int = 0  # written payloads whose prompt a length limit cut
     encoder_seconds: float = 0.0  # inside encoder calls
     encoding_seconds: float = 0.0  # from the first window read to the last journal line, encoders loaded
+    encoding_started: float = 0.0  # time.time() at its start
 
 
 def pending_windows(mine: list[int], todo: set[int], window_size: int) -> list[list[int]]:
@@ -272,7 +287,7 @@ def _encode_slice(
     window_size = options.batch_size * WINDOW_BATCHES
     windows = pending_windows(mine, todo, window_size)
     depth = math.ceil(options.read_ahead / window_size)
-    started = time.monotonic()
+    started, done.encoding_started = time.monotonic(), time.time()
     stopwatch = Stopwatch()
     journal = Journal(root, rank)
 

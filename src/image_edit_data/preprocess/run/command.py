@@ -103,7 +103,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--world-size", type=int | None, default=None, help="Ranks (default: $WORLD_SIZE or 1).")
     parser.add_argument("--merge-only", action=ActionYesNo, default=False, help="Only merge finished journals.")
     parser.add_argument("--merge-timeout", type=float, default=3600.0, help="Seconds rank 0 waits for others.")
-    parser.add_argument("--poll-interval", type=float, default=2.0, help="Seconds between rank 0's checks.")
+    parser.add_argument(
+        "--poll-interval", type=float, default=2.0, help="Longest wait between rank 0's looks (changes wake it)."
+    )
     parser.add_argument("--quiet", action=ActionYesNo, default=False, help="No progress bar.")
     return parser
 
