@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
+from rich.markup import escape
 
 from .demo_cache import write_demo_cache
 from .run.command import build_parser, print_summary, progress_bar, run_build
@@ -114,18 +115,19 @@ def cache_main(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse reports bad options as ArgumentError/TypeError
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         return 2
     command = args.command
     try:
         return CACHE_COMMANDS[command].run(args[command], console)
     except BadSampleError as error:
         console.print(
-            f"[red]bad sample:[/red] {error}\n(use --on-bad-sample skip to leave such samples out)", highlight=False
+            f"[red]bad sample:[/red] {escape(str(error))}\n(use --on-bad-sample skip to leave such samples out)",
+            highlight=False,
         )
         return 1
     except USER_ERRORS as error:
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         return 1
 
 
@@ -175,7 +177,7 @@ def demo_cache_main(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         return 2
     try:
         with progress_bar(console, args.quiet, "encoding") as on_progress:
@@ -190,7 +192,7 @@ def demo_cache_main(argv: list[str]) -> int:
             )
         print_summary(console, report)
     except USER_ERRORS as error:
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
         return 1
     console.print(f"train with cache_dir={Path(args.out_dir).resolve()}")
     return 0

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...payload.payload import PayloadFormat
 from ..encoders.base import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
@@ -34,6 +34,9 @@ from .overlap import ReadAhead, Stopwatch, WriteBehind
 from .rank_meeting import meet
 from .resize import ResizePolicy
 from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
+
+if TYPE_CHECKING:
+    from .ray_engine import RayOptions
 
 WINDOW_BATCHES = 4
 # Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
@@ -158,16 +161,24 @@ def build_cache(
     merge_only: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
     log: Callable[[str], None] | None = None,
+    engine: Literal["local", "ray"] = "local",
+    ray: RayOptions | None = None,
 ) -> BuildReport:
     """Encode this rank's slice of `source` into `out_dir`, then (rank 0) merge the index.
 
     `on_progress(done, total)` follows this rank's slice; `log` receives short notes (resume, waiting).
+    `engine="ray"` encodes on a Ray cluster (`ray_engine.py`, the `ray` extra) from this one process.
     Raises `BadSampleError` at the first bad example when `on_bad_sample` is `stop`.
     """
     options = options or BuildOptions()
     options.check()
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}), got {rank}")
+    if engine == "ray" and world_size != 1:
+        raise ValueError(
+            f"engine: the ray engine spreads the work over its cluster from one process; got world_size {world_size} "
+            f"(run it without torchrun and --world-size)"
+        )
     say = log or (lambda message: None)
     started, wall_start = time.monotonic(), time.time()
     root = Path(out_dir).expanduser().resolve()
@@ -183,7 +194,13 @@ def build_cache(
         if remove_stale_temporaries(root, {row_index_of(source, p) for p in mine}):
             say("removed temporary files left by an interrupted run")
         try:
-            done = _encode_slice(root, rank, source, mine, (image_encoder, text_encoder), options, on_progress, say)
+            specs = (image_encoder, text_encoder)
+            if engine == "ray":
+                from .ray_engine import RayOptions, encode_on_ray
+
+                done = encode_on_ray(root, source, mine, specs, options, ray or RayOptions(), on_progress, say)
+            else:
+                done = _encode_slice(root, rank, source, mine, specs, options, on_progress, say)
         except BaseException as error:
             message = f"{type(error).__name__}: {error}"
             write_failure(root, rank, message)
@@ -250,6 +267,17 @@ def pending_windows(mine: list[int], todo: set[int], window_size: int) -> list[l
     return [window for window in windows if window]
 
 
+def unfinished(root: Path, mine: list[int], say: Callable[[str], None]) -> set[int]:
+    """The positions of `mine` no journal holds, and those whose journaled payload has gone from the disk."""
+    entries = JournalReader(root).refresh()
+    redo = {
+        p for p in mine if "record" in entries.get(p, {}) and not (root / entries[p]["record"]["cache_file"]).is_file()
+    }
+    if redo:
+        say(f"{len(redo)} journaled payloads are missing on disk and will be encoded again")
+    return {p for p in mine if p not in entries or p in redo}
+
+
 def load_encoders(specs: tuple[EncoderSpec, EncoderSpec]) -> tuple[ImageEncoder, TextEncoder | PromptEncoder]:
     """The image and text encoders of `specs`; one pipeline encoder serves both when both specs name it."""
     image_encoder: ImageEncoder = instantiate(specs[0], ImageEncoder, "image_encoder")
@@ -269,13 +297,7 @@ def _encode_slice(
     say: Callable[[str], None],
 ) -> SliceProgress:
     """Encode the positions of `mine` no journal has yet, reading ahead of the encoders and writing behind them."""
-    entries = JournalReader(root).refresh()
-    redo = {
-        p for p in mine if "record" in entries.get(p, {}) and not (root / entries[p]["record"]["cache_file"]).is_file()
-    }
-    if redo:
-        say(f"{len(redo)} journaled payloads are missing on disk and will be encoded again")
-    todo = {p for p in mine if p not in entries or p in redo}
+    todo = unfinished(root, mine, say)
     done = SliceProgress(already=len(mine) - len(todo))
     progress = on_progress or (lambda done, total: None)
     progress(done.already, len(mine))
@@ -354,12 +376,16 @@ def _encode_slice(
 
 def warn_truncation(sample: EncodedSample, count: int) -> None:
     """One `PromptTruncationWarning` for a sample whose prompt was cut; `count` numbers them on this rank."""
-    raw = sample.source.sample
     cuts = "; ".join(t.describe() for t in sample.prompt_truncations)
+    warn_cut(sample.source.location, sample.source.sample.sample_id, cuts, count)
+
+
+def warn_cut(location: str, sample_id: str, cuts: str, count: int) -> None:
+    """The warning of `warn_truncation`, from its parts (`cuts`: the truncations described)."""
     warnings.warn(
         PromptTruncationWarning(
-            f"{sample.source.location} (id {raw.sample_id!r}): prompt cut: {cuts}; the dropped tokens are the end "
+            f"{location} (id {sample_id!r}): prompt cut: {cuts}; the dropped tokens are the end "
             f"of the prompt. Recorded in the payload's metadata.prompt_truncation (prompt {count} cut by this rank)"
         ),
-        stacklevel=2,
+        stacklevel=3,
     )
