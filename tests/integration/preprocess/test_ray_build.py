@@ -23,8 +23,11 @@ from support.processes import command_line, end_session, session_members
 
 from image_edit_data import ImageEditDataset
 from image_edit_data.preprocess.cli import cache_main
+from image_edit_data.preprocess.run.build_cache import BuildOptions, SliceProgress
 from image_edit_data.preprocess.run.journal import journal_path
-from image_edit_data.preprocess.run.ray_engine import import_ray
+from image_edit_data.preprocess.run.ray_engine import import_ray, window_lines
+from image_edit_data.preprocess.sources.base import MISSING_IMAGE, BadSampleError
+from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 
 RAY_ENGINE = ROOT / "src" / "image_edit_data" / "preprocess" / "run" / "ray_engine.py"
 ROWS = 16
@@ -123,3 +126,20 @@ def test_ray_is_imported_only_inside_the_ray_engines_functions() -> None:
     modules = [alias.name for node in top_level if isinstance(node, ast.Import) for alias in node.names]
     modules += [node.module or "" for node in top_level if isinstance(node, ast.ImportFrom)]
     assert not [name for name in modules if name.split(".")[0] == "ray"]
+
+
+def test_the_ray_driver_journals_each_position_once_and_stops_at_a_bad_sample_when_asked(tmp_path: Path) -> None:
+    source = JsonlManifestSource(write_manifest(tmp_path / "raw", rows=4))
+    record = {"cache_file": "samples/sample_00000000.pt", "row_index": 0}
+    bad = BadSampleError("edits.jsonl line 2", MISSING_IMAGE, "target: file 'images/gone.png' does not exist")
+    row = {"written": [{"position": 0, "record": record, "cuts": "", "where": ("edits.jsonl line 1", "s000")}]}
+    row |= {"bad": [(1, bad)], "encoder_seconds": 0.1}
+    done, journaled = SliceProgress(), set[int]()
+    lines = window_lines(source, row, BuildOptions(on_bad_sample="skip"), journaled, done)
+    assert [line["position"] for line in lines] == [0, 1] and lines[1]["skipped"]["kind"] == MISSING_IMAGE
+    assert (done.written, dict(done.skipped)) == (1, {MISSING_IMAGE: 1})
+    # The same window again (Ray redid it): nothing is journaled or counted twice.
+    assert window_lines(source, row, BuildOptions(on_bad_sample="skip"), journaled, done) == []
+    assert (done.written, dict(done.skipped)) == (1, {MISSING_IMAGE: 1})
+    with pytest.raises(BadSampleError, match="edits.jsonl line 2: target: file 'images/gone.png' does not exist"):
+        window_lines(source, row, BuildOptions(), set(), SliceProgress())
