@@ -211,7 +211,8 @@ def build_cache(
         met = meet(rank, world_size, None, options.merge_timeout)
     merged = None
     if rank == 0:
-        for other, message in (met or {}).items():
+        if met:
+            other, message = min(met.items())
             raise RuntimeError(f"{root}: rank {other} stopped, so the index was not merged: {message}")
         entries = wait_for_journals(
             root,

@@ -102,10 +102,15 @@ class Encoding:
             payload, record = assemble(
                 sample, self.options.payload_format, self.options.token_patch_size, self.options.store_dtype
             )
-            cuts = "; ".join(t.describe() for t in sample.prompt_truncations)
-            where = (sample.source.location, sample.source.sample.sample_id)
-            written.append({"position": sample.source.position, "payload": payload, "record": record, "cuts": cuts})
-            written[-1]["where"] = where
+            written.append(
+                {
+                    "position": sample.source.position,
+                    "payload": payload,
+                    "record": record,
+                    "cuts": "; ".join(t.describe() for t in sample.prompt_truncations),
+                    "where": (sample.source.location, sample.source.sample.sample_id),
+                }
+            )
         bad = [(p, item) for p, item in row["items"] if isinstance(item, BadSampleError)]
         return {"written": written, "bad": bad, "encoder_seconds": stopwatch.seconds}
 
@@ -134,7 +139,8 @@ def spatial_factor(ray: Any, spec: EncoderSpec, resources: dict[str, Any]) -> in
 
 
 def start_ray(ray_options: RayOptions) -> Any:
-    """The `ray` module, joined to the cluster (or a new one on this machine) unless this process already is."""
+    """The `ray` module, joined to the cluster (or a new one on this machine, which ends with this process) unless
+    this process already is."""
     ray = import_ray()
     if not ray.is_initialized():
         local = {"num_cpus": ray_options.num_cpus} if ray_options.num_cpus is not None else {}
