@@ -20,10 +20,15 @@ from image_edit_data.preprocess.encoders.base import PromptEncoding
 QWEN_IMAGE_LATENT_CHANNELS = 16
 QWEN_IMAGE_SPATIAL_FACTOR = 8
 QWEN_VL_HIDDEN = 3584
+# Seconds all stand-ins of this process were asked to take (the time a GPU would spend, however late the calling
+# thread wakes on a busy machine), and when the first call began (time.perf_counter).
+CALLS: dict[str, float | None] = {"asked": 0.0, "first": None}
 
 
 def hold(seconds: float, busy: bool) -> None:
     """Take `seconds`: asleep, or running torch matmuls on this thread (which release the GIL as real kernels do)."""
+    CALLS["asked"] = (CALLS["asked"] or 0.0) + seconds
+    CALLS["first"] = CALLS["first"] or time.perf_counter()
     if not busy:
         time.sleep(seconds)
         return
