@@ -100,7 +100,12 @@ def test_the_check_sees_upward_imports_at_any_depth_but_not_annotation_only_ones
 
 
 def test_the_model_libraries_are_imported_only_by_the_models_and_the_encoders() -> None:
-    allowed = {"peft": ("models",), "diffusers": ("models", "preprocess/encoders"), "transformers": ("preprocess",)}
+    allowed = {
+        "peft": ("models",),
+        "diffusers": ("models", "preprocess/encoders"),
+        "transformers": ("preprocess",),
+        "ray": ("preprocess/run/ray_engine.py",),
+    }
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()

@@ -16,6 +16,9 @@ import torch
 from PIL import Image, ImageDraw
 
 from image_edit_data.preprocess.encoders.demo import DemoImageEncoder
+from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
+from image_edit_data.preprocess.run.resize import ResizePolicy
+from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 from support import TESTS
 
 # Sizes deliberately not aligned: the build resizes them (max_pixels policy) to multiples of 16.
@@ -212,6 +215,15 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the cache CLI to completion and capture its output."""
     return subprocess.run(cli_command(*args), env=cli_env(), capture_output=True, text=True, timeout=timeout)
@@ -220,3 +232,43 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 def index_files(root: Path) -> dict[str, bytes]:
     """metadata.json and every shard, by name."""
     return {p.name: p.read_bytes() for p in sorted(root.glob("metadata*.json"))}
+
+
+# The cache CLI's build in tests: the demo encoders (the image one slowed when asked), small images.
+SLOW_ENCODER = "support.builds.SlowDemoImageEncoder"
+RESIZE_ARGS = ["--max-pixels", "1024", "--spatial-alignment", "16", "--upscale"]
+CLI_RESIZE = ResizePolicy("max_pixels", max_pixels=1024, spatial_alignment=16, upscale=True)
+
+
+def build_args(manifest: Path, out: Path, *extra: str, delay: str = "0") -> list[str]:
+    """`cache build` options for a manifest with the (optionally slowed) demo encoders."""
+    return [
+        "build",
+        str(out),
+        "--manifest",
+        str(manifest),
+        "--image-encoder",
+        SLOW_ENCODER,
+        "--image-encoder.delay",
+        delay,
+        "--text-encoder",
+        DEMO_SPECS[1]["class_path"],
+        "--text-encoder.dim",
+        "8",
+        "--batch-size",
+        "2",
+        "--quiet",
+        *RESIZE_ARGS,
+        *extra,
+    ]
+
+
+def reference_cache(manifest: Path, out: Path, delay: float = 0.0, batch_size: int = 2) -> Path:
+    """The same build as `build_args`, uninterrupted and in this process, on one thread as `cli_env` runs the CLI."""
+    image = {"class_path": SLOW_ENCODER, "init_args": {"latent_channels": 4, "delay": delay}}
+    text = {"class_path": DEMO_SPECS[1]["class_path"], "init_args": {"dim": 8, "max_length": 32}}
+    with torch_threads(1):
+        build_cache(
+            out, JsonlManifestSource(manifest), image, text, BuildOptions(resize=CLI_RESIZE, batch_size=batch_size)
+        )
+    return out

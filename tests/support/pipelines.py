@@ -88,31 +88,35 @@ except ImportError:  # the build extra is absent; the tests that need it are ski
     pass
 
 
-def qwen_text_encoder(tokenizer: Any) -> Any:
-    """A 1-layer Qwen2.5-VL with a 1-block vision tower, hidden size 32."""
+def qwen_text_encoder(tokenizer: Any, scale: int = 1) -> Any:
+    """A 1-layer Qwen2.5-VL with a 1-block vision tower, hidden size 32; `scale` multiplies widths and depths."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in QWEN_SPECIALS}
     config = Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
-            "hidden_size": QWEN_HIDDEN,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
+            "hidden_size": QWEN_HIDDEN * scale,
+            "intermediate_size": 32 * scale,
+            "num_hidden_layers": scale,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
             "max_position_embeddings": 2048,
             "bos_token_id": ids["<|endoftext|>"],
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2 * scale, 3 * scale, 3 * scale],
+            },
         },
         vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 16,
+            "depth": scale,
+            "hidden_size": 16 * scale,
+            "intermediate_size": 16 * scale,
             "num_heads": 2,
-            "out_hidden_size": QWEN_HIDDEN,
+            "out_hidden_size": QWEN_HIDDEN * scale,
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
@@ -149,11 +153,13 @@ def qwen_image_edit_pipeline(
     plus: bool = True,
     parts: tuple[str, ...] = ("vae", "text"),
     vision_pixels: tuple[int, int] = (56 * 56, 112 * 112),
+    text_scale: int = 1,
 ) -> Path:
     """Save a tiny QwenImageEdit(Plus)Pipeline without its transformer; `parts` leaves out the VAE or text side.
 
     `vision_pixels` is the (min, max) pixel budget of Qwen2.5-VL's image processor: by default small, so the
     vision tower sees 4x4 tokens; `QWEN_VL_PIXELS` is the released model's, which sees the image as given.
+    `text_scale` multiplies Qwen2.5-VL's widths and depths (benchmarks/build_prompts.py).
     """
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline, QwenImageEditPlusPipeline
     from transformers import Qwen2VLImageProcessorPil
@@ -166,7 +172,7 @@ def qwen_image_edit_pipeline(
     pipeline = pipeline_class(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=qwen_vae() if "vae" in parts else None,
-        text_encoder=qwen_text_encoder(tokenizer) if has_text else None,
+        text_encoder=qwen_text_encoder(tokenizer, text_scale) if has_text else None,
         tokenizer=tokenizer if has_text else None,
         processor=processor if has_text else None,
         transformer=None,

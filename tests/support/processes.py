@@ -6,7 +6,9 @@ alone cannot show that one is still running after its loader let go of it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -88,3 +90,28 @@ class SeenWorkers:
     def still_running(self) -> list[int]:
         """The recorded workers that still run."""
         return sorted(pid for pid in self.seen if alive(pid))
+
+
+def session_members(session: int) -> list[int]:
+    """Running processes of the session `session` (a command started with `start_new_session=True` and all it
+    started, however deep, unless they left the session)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if int(fields[3]) == session and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def end_session(session: int, timeout: float = 30.0) -> None:
+    """SIGKILL every process of the session `session` until none is left (members may start more meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while (members := session_members(session)) and time.monotonic() < deadline:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)

@@ -122,7 +122,8 @@ def cache_main(argv: list[str]) -> int:
         return CACHE_COMMANDS[command].run(args[command], console)
     except BadSampleError as error:
         console.print(
-            f"[red]bad sample:[/red] {error}\n(use --on-bad-sample skip to leave such samples out)", highlight=False
+            f"[red]bad sample:[/red] {escape(str(error))}\n(use --on-bad-sample skip to leave such samples out)",
+            highlight=False,
         )
         return 1
     except USER_ERRORS as error:

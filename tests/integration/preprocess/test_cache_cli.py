@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -12,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from support.builds import (
-    DEMO_SPECS,
+    build_args,
     cli_command,
     cli_env,
     index_files,
     parquet_rows,
+    reference_cache,
     run_cli,
-    torch_threads,
     write_lines,
     write_manifest,
     write_parquet,
@@ -27,45 +28,6 @@ from support.builds import (
 from image_edit_data import ImageEditDataset
 from image_edit_data.payload.payload import load_payload
 from image_edit_data.preprocess.cli import cache_main, demo_cache_main
-from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
-from image_edit_data.preprocess.run.resize import ResizePolicy
-from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
-
-SLOW_ENCODER = "support.builds.SlowDemoImageEncoder"
-RESIZE_ARGS = ["--max-pixels", "1024", "--spatial-alignment", "16", "--upscale"]
-RESIZE = ResizePolicy("max_pixels", max_pixels=1024, spatial_alignment=16, upscale=True)
-
-
-def build_args(manifest: Path, out: Path, *extra: str, delay: str = "0") -> list[str]:
-    """`cache build` options for a manifest with the (optionally slowed) demo encoders."""
-    return [
-        "build",
-        str(out),
-        "--manifest",
-        str(manifest),
-        "--image-encoder",
-        SLOW_ENCODER,
-        "--image-encoder.delay",
-        delay,
-        "--text-encoder",
-        DEMO_SPECS[1]["class_path"],
-        "--text-encoder.dim",
-        "8",
-        "--batch-size",
-        "2",
-        "--quiet",
-        *RESIZE_ARGS,
-        *extra,
-    ]
-
-
-def reference_cache(manifest: Path, out: Path, delay: float = 0.0, batch_size: int = 2) -> Path:
-    """The same build as `build_args`, uninterrupted and in this process, on one thread as `cli_env` runs the CLI."""
-    image = {"class_path": SLOW_ENCODER, "init_args": {"latent_channels": 4, "delay": delay}}
-    text = {"class_path": DEMO_SPECS[1]["class_path"], "init_args": {"dim": 8, "max_length": 32}}
-    with torch_threads(1):
-        build_cache(out, JsonlManifestSource(manifest), image, text, BuildOptions(resize=RESIZE, batch_size=batch_size))
-    return out
 
 
 def assert_same_cache(a: Path, b: Path) -> None:
@@ -121,7 +83,8 @@ def test_two_ranks_build_the_same_index_as_one(tmp_path: Path, manifest: Path) -
     cache = tmp_path / "two"
     # One image per encoder call on both sides: the ranks see other sets of images than one process does, and a
     # matmul over another number of rows may take another BLAS kernel, whose last bits differ.
-    options = ["--world-size", "2", "--poll-interval", "0.1", "--batch-size", "1"]
+    # An hour between looks: rank 0 is woken by rank 1's journal lines, not by a clock.
+    options = ["--world-size", "2", "--poll-interval", "3600", "--batch-size", "1"]
     ranks = [
         subprocess.Popen(
             cli_command(*build_args(manifest, cache, "--rank", str(r), *options)),
@@ -265,6 +228,7 @@ def test_demo_cache_builds_through_the_same_path_and_reloads(tmp_path: Path, cap
     )
     out = capsys.readouterr().out
     assert "wrote 12 payloads" in out and "12 samples in 1 index shard(s)" in out
+    assert re.search(r"encoders busy \d+% of the [\d.]+ s of encoding \([\d.]+ samples/s\)", out), out
     dataset = ImageEditDataset(cache)
     assert len(dataset) == 12 and dataset[0]["metadata"]["manifest_metadata"]["seed"] == 3
     assert (

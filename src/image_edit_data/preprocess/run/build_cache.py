@@ -2,14 +2,19 @@
 
 Rank `r` of `w` owns source positions `r, r + w, r + 2w, ...` below the row limit. It walks its slice
 in fixed windows of `batch_size * WINDOW_BATCHES` positions, so a rerun forms the same batches as an
-uninterrupted run. A window's payloads are written first, then its journal lines (see `journal.py`);
-positions already journaled are not encoded again. Rank 0 then waits until all positions are
-journaled and merges the index (`merge.py`); `merge_only` does only that.
+uninterrupted run. The next windows are read while one encodes, and the last ones written meanwhile
+(`overlap.py`); the encoders see the same batches either way. A window's payloads are written first,
+then its journal lines (see `journal.py`); positions already journaled are not encoded again. Rank 0
+then waits until all positions are journaled (woken by the others' journal lines, or under torchrun by the
+last rank's end: `rank_meeting.py`) and merges the index (`merge.py`); `merge_only` does only that.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import math
 import time
 import warnings
 from collections import Counter
@@ -17,7 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ...payload.payload import PayloadFormat
 from ..encoders.base import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
@@ -25,8 +30,13 @@ from ..sources.base import BadSampleError, EditSource, row_index_of
 from .encode import Prepared, encode_window, prepare
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
+from .overlap import ReadAhead, Stopwatch, WriteBehind
+from .rank_meeting import meet
 from .resize import ResizePolicy
 from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
+
+if TYPE_CHECKING:
+    from .ray_engine import RayOptions
 
 WINDOW_BATCHES = 4
 # Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
@@ -60,16 +70,22 @@ class BuildOptions:
     """Images (of one size) or prompts per encoder call."""
     num_workers: int = 4
     """Threads that read and resize images and write payloads."""
+    read_ahead: int = 16
+    """Samples read and resized ahead of the encoders, in whole windows; 0 reads, encodes and writes each window
+    in turn (same cache, slower)."""
     merge_timeout: float = 3600.0
     """Seconds rank 0 waits for the other ranks before giving up on merging."""
     poll_interval: float = 2.0
-    """Seconds between rank 0's checks of the other ranks' journals."""
+    """Longest wait between rank 0's looks at the other ranks' journals; a change on a local disk, or the end of
+    every rank under torchrun, wakes it at once."""
 
     def check(self) -> None:
         """Refuse impossible values, naming the option."""
         for name in ("token_patch_size", "shard_size", "batch_size", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.read_ahead < 0:
+            raise ValueError(f"read_ahead: expected a count >= 0, got {self.read_ahead}")
         if self.num_samples is not None and self.num_samples < 0:
             raise ValueError(f"num_samples: expected a count >= 0, got {self.num_samples}")
 
@@ -89,6 +105,9 @@ class BuildReport:
     merged: MergeReport | None  # set on the rank that merged
     merge_only: bool = False  # nothing was encoded by request
     truncated: int = 0  # payloads written by this run whose prompt a length limit cut (each warned)
+    encoder_seconds: float = 0.0  # inside encoder calls
+    encoding_seconds: float = 0.0  # the encoding phase: encoders loaded, from the first read to the last journal line
+    encoding_started: float = 0.0  # when it began, as time.time() (to line up ranks' phases)
 
 
 def instantiate(spec: EncoderSpec, protocol: type | tuple[type, ...], name: str) -> Any:
@@ -142,16 +161,24 @@ def build_cache(
     merge_only: bool = False,
     on_progress: Callable[[int, int], None] | None = None,
     log: Callable[[str], None] | None = None,
+    engine: Literal["local", "ray"] = "local",
+    ray: RayOptions | None = None,
 ) -> BuildReport:
     """Encode this rank's slice of `source` into `out_dir`, then (rank 0) merge the index.
 
     `on_progress(done, total)` follows this rank's slice; `log` receives short notes (resume, waiting).
+    `engine="ray"` encodes on a Ray cluster (`ray_engine.py`, the `ray` extra) from this one process.
     Raises `BadSampleError` at the first bad example when `on_bad_sample` is `stop`.
     """
     options = options or BuildOptions()
     options.check()
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}), got {rank}")
+    if engine == "ray" and world_size != 1:
+        raise ValueError(
+            f"engine: the ray engine spreads the work over its cluster from one process; got world_size {world_size} "
+            f"(run it without torchrun and --world-size)"
+        )
     say = log or (lambda message: None)
     started, wall_start = time.monotonic(), time.time()
     root = Path(out_dir).expanduser().resolve()
@@ -160,20 +187,33 @@ def build_cache(
         say(f"resuming the build in {root}")
     rows = len(source) if options.num_samples is None else min(options.num_samples, len(source))
     mine = list(range(rank, rows, world_size))
-    done, written, skipped, truncated = 0, 0, Counter[str](), 0
+    done = SliceProgress()
+    met = None
     if not merge_only:
         clear_failure(root, rank)
         if remove_stale_temporaries(root, {row_index_of(source, p) for p in mine}):
             say("removed temporary files left by an interrupted run")
         try:
-            done, written, skipped, truncated = _encode_slice(
-                root, rank, source, mine, (image_encoder, text_encoder), options, on_progress, say
-            )
+            specs = (image_encoder, text_encoder)
+            if engine == "ray":
+                from .ray_engine import RayOptions, encode_on_ray
+
+                done = encode_on_ray(root, source, mine, specs, options, ray or RayOptions(), on_progress, say)
+            else:
+                done = _encode_slice(root, rank, source, mine, specs, options, on_progress, say)
         except BaseException as error:
-            write_failure(root, rank, f"{type(error).__name__}: {error}")
+            message = f"{type(error).__name__}: {error}"
+            write_failure(root, rank, message)
+            if isinstance(error, Exception):  # the others wait for this rank's word; an interrupt ends them all
+                with contextlib.suppress(Exception):
+                    meet(rank, world_size, message, options.merge_timeout)
             raise
+        met = meet(rank, world_size, None, options.merge_timeout)
     merged = None
     if rank == 0:
+        if met:
+            other, message = min(met.items())
+            raise RuntimeError(f"{root}: rank {other} stopped, so the index was not merged: {message}")
         entries = wait_for_journals(
             root,
             rows,
@@ -190,8 +230,61 @@ def build_cache(
         merged = merge_index(root, entries, rows, options.shard_size, provenance)
     seconds = time.monotonic() - started
     return BuildReport(
-        root, rank, world_size, len(mine), done, written, dict(skipped), seconds, merged, merge_only, truncated
+        root,
+        rank,
+        world_size,
+        len(mine),
+        done.already,
+        done.written,
+        dict(done.skipped),
+        seconds,
+        merged,
+        merge_only,
+        done.truncated,
+        done.encoder_seconds,
+        done.encoding_seconds,
+        done.encoding_started,
     )
+
+
+@dataclass
+class SliceProgress:
+    """What `_encode_slice` did on this rank."""
+
+    already: int = 0  # positions an earlier run journaled
+    written: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)  # by reason
+    truncated: int = 0  # written payloads whose prompt a length limit cut
+    encoder_seconds: float = 0.0  # inside encoder calls
+    encoding_seconds: float = 0.0  # from the first window read to the last journal line, encoders loaded
+    encoding_started: float = 0.0  # time.time() at its start
+
+
+def pending_windows(mine: list[int], todo: set[int], window_size: int) -> list[list[int]]:
+    """The positions of `todo`, window by window of `mine` (empty windows dropped), so a rerun batches as before."""
+    windows = (
+        [p for p in mine[start : start + window_size] if p in todo] for start in range(0, len(mine), window_size)
+    )
+    return [window for window in windows if window]
+
+
+def unfinished(root: Path, mine: list[int], say: Callable[[str], None]) -> set[int]:
+    """The positions of `mine` no journal holds, and those whose journaled payload has gone from the disk."""
+    entries = JournalReader(root).refresh()
+    redo = {
+        p for p in mine if "record" in entries.get(p, {}) and not (root / entries[p]["record"]["cache_file"]).is_file()
+    }
+    if redo:
+        say(f"{len(redo)} journaled payloads are missing on disk and will be encoded again")
+    return {p for p in mine if p not in entries or p in redo}
+
+
+def load_encoders(specs: tuple[EncoderSpec, EncoderSpec]) -> tuple[ImageEncoder, TextEncoder | PromptEncoder]:
+    """The image and text encoders of `specs`; one pipeline encoder serves both when both specs name it."""
+    image_encoder: ImageEncoder = instantiate(specs[0], ImageEncoder, "image_encoder")
+    if specs[1] == specs[0] and isinstance(image_encoder, PromptEncoder):
+        return image_encoder, image_encoder  # one pipeline encoder for both sides, loaded once
+    return image_encoder, instantiate(specs[1], (PromptEncoder, TextEncoder), "text_encoder")
 
 
 def _encode_slice(
@@ -203,83 +296,97 @@ def _encode_slice(
     options: BuildOptions,
     on_progress: Callable[[int, int], None] | None,
     say: Callable[[str], None],
-) -> tuple[int, int, Counter[str], int]:
-    """Encode the positions of `mine` no journal has yet; returns (already done, written, skipped by reason,
-    truncated prompts)."""
-    entries = JournalReader(root).refresh()
-    redo = {
-        p for p in mine if "record" in entries.get(p, {}) and not (root / entries[p]["record"]["cache_file"]).is_file()
-    }
-    if redo:
-        say(f"{len(redo)} journaled payloads are missing on disk and will be encoded again")
-    todo = {p for p in mine if p not in entries or p in redo}
-    already = len(mine) - len(todo)
+) -> SliceProgress:
+    """Encode the positions of `mine` no journal has yet, reading ahead of the encoders and writing behind them."""
+    todo = unfinished(root, mine, say)
+    done = SliceProgress(already=len(mine) - len(todo))
     progress = on_progress or (lambda done, total: None)
-    progress(already, len(mine))
-    skipped: Counter[str] = Counter()
+    progress(done.already, len(mine))
     if not todo:
-        return already, 0, skipped, 0
-    image_encoder: ImageEncoder = instantiate(specs[0], ImageEncoder, "image_encoder")
-    text_encoder: TextEncoder | PromptEncoder
-    if specs[1] == specs[0] and isinstance(image_encoder, PromptEncoder):
-        text_encoder = image_encoder  # one pipeline encoder for both sides, loaded once
-    else:
-        text_encoder = instantiate(specs[1], (PromptEncoder, TextEncoder), "text_encoder")
+        return done
+    image_encoder, text_encoder = load_encoders(specs)
     factor = int(image_encoder.spatial_factor)
     options.resize.check(factor)
     window_size = options.batch_size * WINDOW_BATCHES
+    windows = pending_windows(mine, todo, window_size)
+    depth = math.ceil(options.read_ahead / window_size)
+    started, done.encoding_started = time.monotonic(), time.time()
+    stopwatch = Stopwatch()
     journal = Journal(root, rank)
-    finished, written, truncated = already, 0, 0
-    try:
-        with ThreadPoolExecutor(options.num_workers) as pool:
-            for start in range(0, len(mine), window_size):
-                window = [p for p in mine[start : start + window_size] if p in todo]
-                if not window:
-                    continue
-                loaded = list(
-                    pool.map(lambda p: prepare(source, p, options.resize, factor, options.allow_no_context), window)
-                )
-                bad = [item for item in loaded if isinstance(item, BadSampleError)]
+
+    def read(position: int) -> Prepared | BadSampleError:
+        return prepare(source, position, options.resize, factor, options.allow_no_context)
+
+    def write(sample: EncodedSample) -> dict[str, Any]:
+        return write_sample(root, sample, options.payload_format, options.token_patch_size, options.store_dtype)
+
+    def finish(records: list[dict[str, Any]], encoded: list[EncodedSample], lines: list[dict[str, Any]]) -> int:
+        lines = lines + [{"position": e.source.position, "record": r} for e, r in zip(encoded, records)]
+        journal.append(sorted(lines, key=lambda line: line["position"]))
+        return len(records)
+
+    with (
+        ThreadPoolExecutor(options.num_workers, thread_name_prefix="build-io") as pool,
+        ThreadPoolExecutor(1, thread_name_prefix="build-pixels") as feeder,
+    ):
+        reader = ReadAhead(pool, windows, read, depth)
+        # Two windows may wait for the disk while a third encodes; none when nothing overlaps.
+        writer = WriteBehind(pool, backlog=2 if depth else 0)
+        reported = 0
+        try:
+            for k, window in enumerate(windows):
+                loaded = reader.take(k)
+                bad = [(item, p) for item, p in zip(loaded, window) if isinstance(item, BadSampleError)]
                 if bad and options.on_bad_sample == "stop":
-                    raise bad[0]
+                    raise bad[0][0]
                 good = [item for item in loaded if isinstance(item, Prepared)]
-                encoded = encode_window(good, image_encoder, text_encoder, options.batch_size, factor)
+                encoded = encode_window(
+                    good, image_encoder, text_encoder, options.batch_size, factor, feeder if depth else None, stopwatch
+                )
                 for sample in encoded:
                     if sample.prompt_truncations:
-                        truncated += 1
-                        warn_truncation(sample, truncated)
-                records = list(
-                    pool.map(
-                        lambda e: write_sample(
-                            root, e, options.payload_format, options.token_patch_size, options.store_dtype
-                        ),
-                        encoded,
-                    )
-                )
-                lines = [{"position": e.source.position, "record": r} for e, r in zip(encoded, records)]
-                for item, position in ((i, p) for i, p in zip(loaded, window) if isinstance(i, BadSampleError)):
-                    skipped[item.kind] += 1
+                        done.truncated += 1
+                        warn_truncation(sample, done.truncated)
+                skipped = []
+                for item, position in bad:
+                    done.skipped[item.kind] += 1
                     problem = {"location": item.location, "kind": item.kind, "problem": item.problem}
-                    lines.append(
+                    skipped.append(
                         {"position": position, "skipped": {"row_index": row_index_of(source, position), **problem}}
                     )
-                journal.append(sorted(lines, key=lambda line: line["position"]))
-                finished += len(window)
-                written += len(records)
-                progress(finished, len(mine))
-    finally:
-        journal.close()
-    return already, written, skipped, truncated
+                writer.put(
+                    [functools.partial(write, e) for e in encoded],
+                    functools.partial(finish, encoded=encoded, lines=skipped),
+                )
+                while reported < len(writer.finished):
+                    reported += 1
+                    progress(done.already + sum(len(w) for w in windows[:reported]), len(mine))
+            writer.drain()
+        except BaseException:
+            reader.cancel()
+            writer.abandon()
+            raise
+        finally:
+            journal.close()
+    progress(len(mine), len(mine))
+    done.written = sum(writer.finished)
+    done.encoder_seconds = stopwatch.seconds
+    done.encoding_seconds = time.monotonic() - started
+    return done
 
 
 def warn_truncation(sample: EncodedSample, count: int) -> None:
     """One `PromptTruncationWarning` for a sample whose prompt was cut; `count` numbers them on this rank."""
-    raw = sample.source.sample
     cuts = "; ".join(t.describe() for t in sample.prompt_truncations)
+    warn_cut(sample.source.location, sample.source.sample.sample_id, cuts, count)
+
+
+def warn_cut(location: str, sample_id: str, cuts: str, count: int) -> None:
+    """The warning of `warn_truncation`, from its parts (`cuts`: the truncations described)."""
     warnings.warn(
         PromptTruncationWarning(
-            f"{sample.source.location} (id {raw.sample_id!r}): prompt cut: {cuts}; the dropped tokens are the end "
+            f"{location} (id {sample_id!r}): prompt cut: {cuts}; the dropped tokens are the end "
             f"of the prompt. Recorded in the payload's metadata.prompt_truncation (prompt {count} cut by this rank)"
         ),
-        stacklevel=2,
+        stacklevel=3,
     )

@@ -18,6 +18,7 @@ from ..sources.base import EditSource
 from ..sources.paired import ConfigDataset
 from .build_cache import BuildOptions, BuildReport, build_cache
 from .mixture_config import BuiltDataset, write_mixture
+from .ray_engine import RayOptions
 from .resize import ResizePolicy
 from .source_options import add_source_arguments, open_sources
 
@@ -96,12 +97,28 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument("--batch-size", type=int, default=8, help="Images or prompts per encoder call.")
     parser.add_argument("--num-workers", type=int, default=4, help="Threads reading images and writing payloads.")
+    parser.add_argument(
+        "--read-ahead", type=int, default=16, help="Samples read ahead of the encoders (0: nothing overlaps)."
+    )
     parser.add_argument("--rank", type=int | None, default=None, help="This process's rank (default: $RANK or 0).")
     parser.add_argument("--world-size", type=int | None, default=None, help="Ranks (default: $WORLD_SIZE or 1).")
     parser.add_argument("--merge-only", action=ActionYesNo, default=False, help="Only merge finished journals.")
     parser.add_argument("--merge-timeout", type=float, default=3600.0, help="Seconds rank 0 waits for others.")
-    parser.add_argument("--poll-interval", type=float, default=2.0, help="Seconds between rank 0's checks.")
+    parser.add_argument(
+        "--poll-interval", type=float, default=2.0, help="Longest wait between rank 0's looks (changes wake it)."
+    )
     parser.add_argument("--quiet", action=ActionYesNo, default=False, help="No progress bar.")
+    parser.add_argument(
+        "--engine", type=Literal["local", "ray"], default="local", help="This process (and its ranks), or Ray Data."
+    )
+    parser.add_argument(
+        "--ray-address", type=str | None, default=None, help="Ray cluster (default: RAY_ADDRESS or a new local one)."
+    )
+    parser.add_argument(
+        "--ray-encoders", type=int | None, default=None, help="Encoder actors (default: one per GPU, or 1)."
+    )
+    parser.add_argument("--ray-gpus-per-encoder", type=float | None, default=None, help="Default: 1 with GPUs, else 0.")
+    parser.add_argument("--ray-num-cpus", type=int | None, default=None, help="CPUs of a local cluster started here.")
     return parser
 
 
@@ -137,6 +154,16 @@ def encoder_specs(args: Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     return spec(args.image_encoder), spec(args.text_encoder)
 
 
+def ray_options(args: Namespace) -> RayOptions:
+    """The `--ray-*` options (read only with `--engine ray`)."""
+    return RayOptions(
+        address=args.ray_address,
+        encoders=args.ray_encoders,
+        gpus_per_encoder=args.ray_gpus_per_encoder,
+        num_cpus=args.ray_num_cpus,
+    )
+
+
 def run_build(args: Namespace, console: Console) -> int:
     """`cache build`."""
     rank, world_size = runtime_rank(args.rank, args.world_size)
@@ -154,12 +181,14 @@ def run_build(args: Namespace, console: Console) -> int:
         on_bad_sample=args.on_bad_sample,
         batch_size=args.batch_size,
         num_workers=args.num_workers,
+        read_ahead=args.read_ahead,
         merge_timeout=args.merge_timeout,
         poll_interval=args.poll_interval,
     )
     select_local_device()
     opened = open_sources(args)
     run = {"rank": rank, "world_size": world_size, "merge_only": args.merge_only, "quiet": args.quiet}
+    run["engine"] = {"engine": args.engine, "ray": ray_options(args)}
     if not isinstance(opened, list):
         execute(args.out_dir, opened, image_spec, text_spec, options, console, **run)
         return 0
@@ -201,6 +230,7 @@ def execute(
     world_size: int,
     merge_only: bool,
     quiet: bool,
+    engine: dict[str, Any],
 ) -> BuildReport:
     """Run a build with a progress bar, print its summary and return its report."""
     label = "encoding" if world_size == 1 else f"rank {rank}/{world_size}"
@@ -216,6 +246,7 @@ def execute(
             merge_only=merge_only,
             on_progress=on_progress,
             log=lambda message: console.print(f"[dim]{message}[/dim]"),
+            **engine,
         )
     print_summary(console, report)
     return report
@@ -230,6 +261,12 @@ def print_summary(console: Console, report: BuildReport) -> None:
         console.print(
             f"{who}wrote {report.written} payloads ({report.already_done} of {report.assigned} already done"
             f"{f', {skipped} skipped: {reasons}' if skipped else ''}) in {report.seconds:.1f} s"
+        )
+    if report.encoding_seconds > 0:
+        share = report.encoder_seconds / report.encoding_seconds
+        console.print(
+            f"{who}encoders busy {share:.0%} of the {report.encoding_seconds:.1f} s of encoding "
+            f"({(report.written + sum(report.skipped.values())) / report.encoding_seconds:.2f} samples/s)"
         )
     if report.truncated:
         console.print(

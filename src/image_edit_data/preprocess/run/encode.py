@@ -13,8 +13,10 @@ A sample's mask becomes its `edit_mask` (`mask.py`).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ from ...contract.batch import EDIT_MASK
 from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, TextEncoder
 from ..sources.base import MISALIGNED_IMAGE, NO_CONTEXT, BadSampleError, EditSource, SourceRecord
 from .mask import latent_mask
+from .overlap import Stopwatch
 from .resize import ResizePolicy, to_pixels
 from .writer import EncodedSample
 
@@ -82,27 +85,53 @@ def _name(encoder: Any) -> str:
 
 
 def encode_images(
-    images: Sequence[Image.Image], encoder: ImageEncoder, batch_size: int, factor: int
+    images: Sequence[Image.Image],
+    encoder: ImageEncoder,
+    batch_size: int,
+    factor: int,
+    feeder: Executor | None = None,
+    stopwatch: Stopwatch | None = None,
 ) -> list[torch.Tensor]:
-    """Latents `[C, h, w]` for each image (PIL), in input order."""
+    """Latents `[C, h, w]` for each image (PIL), in input order.
+
+    With a `feeder`, each batch's pixel tensor is made there while the encoder works on the one before.
+    `stopwatch` times the encoder calls.
+    """
     slots: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, image in enumerate(images):
         slots[image.size].append(i)
+    chunks = [
+        (size, members[start : start + batch_size])
+        for size, members in sorted(slots.items())
+        for start in range(0, len(members), batch_size)
+    ]
+    pixels = _pixel_batches([[images[i] for i in chunk] for _, chunk in chunks], feeder)
     latents: list[torch.Tensor | None] = [None] * len(images)
-    for (width, height), members in sorted(slots.items()):
-        for start in range(0, len(members), batch_size):
-            chunk = members[start : start + batch_size]
-            out = encoder.encode(to_pixels([images[i] for i in chunk]))
-            expected = (len(chunk), height // factor, width // factor)
-            if out.ndim != 4 or (out.shape[0], *out.shape[2:]) != expected:
-                raise ValueError(
-                    f"image_encoder {_name(encoder)}: encode returned shape {list(out.shape)} for "
-                    f"{len(chunk)} images of {width}x{height}; expected [{len(chunk)}, C, {height // factor}, "
-                    f"{width // factor}] (spatial_factor {factor})"
-                )
-            for k, i in enumerate(chunk):
-                latents[i] = out[k].detach().cpu().clone()  # a copy, so saving it does not save the whole batch
+    for ((width, height), chunk), batch in zip(chunks, pixels):
+        with stopwatch or contextlib.nullcontext():
+            out = encoder.encode(batch)
+        expected = (len(chunk), height // factor, width // factor)
+        if out.ndim != 4 or (out.shape[0], *out.shape[2:]) != expected:
+            raise ValueError(
+                f"image_encoder {_name(encoder)}: encode returned shape {list(out.shape)} for "
+                f"{len(chunk)} images of {width}x{height}; expected [{len(chunk)}, C, {height // factor}, "
+                f"{width // factor}] (spatial_factor {factor})"
+            )
+        for k, i in enumerate(chunk):
+            latents[i] = out[k].detach().cpu().clone()  # a copy, so saving it does not save the whole batch
     return [latent for latent in latents if latent is not None]
+
+
+def _pixel_batches(batches: list[list[Image.Image]], feeder: Executor | None) -> Iterator[torch.Tensor]:
+    """`to_pixels` of each batch in turn; with a `feeder`, the next batch is converted while this one is used."""
+    if feeder is None:
+        yield from (to_pixels(batch) for batch in batches)
+        return
+    upcoming: Future[torch.Tensor] | None = None
+    for number, batch in enumerate(batches):
+        current = upcoming or feeder.submit(to_pixels, batch)
+        upcoming = feeder.submit(to_pixels, batches[number + 1]) if number + 1 < len(batches) else None
+        yield current.result()
 
 
 def encode_prompts(
@@ -110,16 +139,19 @@ def encode_prompts(
     encoder: TextEncoder | PromptEncoder,
     batch_size: int,
     conditions: Sequence[tuple[Image.Image, ...]] = (),
+    stopwatch: Stopwatch | None = None,
 ) -> list[PromptEncoding]:
-    """A `PromptEncoding` per prompt, in input order; `conditions` (one tuple per prompt) go to a `PromptEncoder`."""
+    """A `PromptEncoding` per prompt, in input order, `batch_size` prompts per encoder call; `conditions` (one
+    tuple per prompt) go to a `PromptEncoder`. `stopwatch` times the encoder calls."""
     results: list[PromptEncoding] = []
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start : start + batch_size])
-        if isinstance(encoder, PromptEncoder):
-            looks = list(conditions[start : start + batch_size]) or [()] * len(chunk)
-            out = encoder.encode_prompts(chunk, looks)
-        else:
-            out = [PromptEncoding(embeddings, mask) for embeddings, mask in encoder.encode(chunk)]
+        with stopwatch or contextlib.nullcontext():
+            if isinstance(encoder, PromptEncoder):
+                looks = list(conditions[start : start + batch_size]) or [()] * len(chunk)
+                out = encoder.encode_prompts(chunk, looks)
+            else:
+                out = [PromptEncoding(embeddings, mask) for embeddings, mask in encoder.encode(chunk)]
         if len(out) != len(chunk):
             raise ValueError(
                 f"text_encoder {_name(encoder)}: encode returned {len(out)} results for {len(chunk)} prompts"
@@ -146,12 +178,18 @@ def encode_window(
     text_encoder: TextEncoder | PromptEncoder,
     batch_size: int,
     factor: int,
+    feeder: Executor | None = None,
+    stopwatch: Stopwatch | None = None,
 ) -> list[EncodedSample]:
-    """Encode the images and prompts of `prepared`, keeping its order."""
+    """Encode the images and prompts of `prepared`, keeping its order (see `encode_images` for the rest)."""
     images = [image for p in prepared for image in (p.target, *p.contexts)]
-    latents = iter(encode_images(images, image_encoder, batch_size, factor))
+    latents = iter(encode_images(images, image_encoder, batch_size, factor, feeder, stopwatch))
     prompts = encode_prompts(
-        [p.source.sample.prompt for p in prepared], text_encoder, batch_size, [p.conditions for p in prepared]
+        [p.source.sample.prompt for p in prepared],
+        text_encoder,
+        batch_size,
+        [p.conditions for p in prepared],
+        stopwatch,
     )
     encoded = []
     for p, prompt in zip(prepared, prompts):

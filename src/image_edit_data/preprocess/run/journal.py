@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,7 @@ class Journal:
             self._stream.flush()
             os.fsync(self._stream.fileno())
 
-    def append(self, entries: list[Mapping[str, Any]]) -> None:
+    def append(self, entries: Sequence[Mapping[str, Any]]) -> None:
         """Append entries as lines and fsync them."""
         if not entries:
             return

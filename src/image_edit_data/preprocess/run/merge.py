@@ -3,7 +3,7 @@
 Records are ordered by row index (the source position unless a manifest line gives `metadata.row_index`),
 so the index depends only on the source, never on which rank wrote what or in which order. The merging
 rank waits until every position below the row limit is journaled, a rank reports failure, or the timeout
-passes.
+passes, woken by each change to the progress directory (`watch.py`), not by a clock.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 from ..._atomic import write_text_atomic
 from ...index.index import MANIFEST
-from .journal import JournalReader, failures
+from .journal import PROGRESS_DIR, JournalReader, failures
+from .watch import DirectoryWatch
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,26 @@ def wait_for_journals(
     poll_interval: float,
     log: Callable[[str], None],
 ) -> dict[int, dict[str, Any]]:
-    """Every journal entry once positions 0..rows-1 are all present; raises on a rank failure or timeout."""
+    """Every journal entry once positions 0..rows-1 are all present; raises on a rank failure or timeout.
+
+    Each change to the progress directory wakes the wait; `poll_interval` is the longest it sleeps without
+    a look (a network file system written from other machines signals no change).
+    """
+    with DirectoryWatch(root / PROGRESS_DIR) as watch:
+        return _wait(root, rows, since, time.monotonic() + timeout, timeout, poll_interval, log, watch)
+
+
+def _wait(
+    root: Path,
+    rows: int,
+    since: float,
+    deadline: float,
+    timeout: float,
+    poll_interval: float,
+    log: Callable[[str], None],
+    watch: DirectoryWatch,
+) -> dict[int, dict[str, Any]]:
     reader = JournalReader(root)
-    deadline = time.monotonic() + timeout
     announced = False
     while True:
         entries = reader.refresh()
@@ -69,7 +87,7 @@ def wait_for_journals(
         if not announced:
             log(f"waiting for other ranks: {missing} of {rows} samples not done yet")
             announced = True
-        time.sleep(poll_interval)
+        watch.wait(min(poll_interval, deadline - time.monotonic()))
 
 
 def merge_index(

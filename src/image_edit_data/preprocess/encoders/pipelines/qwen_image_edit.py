@@ -29,6 +29,8 @@ from ..pipeline import DiffusersPipelineEncoder
 
 CONDITION_AREA = {"QwenImageEditPlusPipeline": 384 * 384, "QwenImageEditPipeline": 1024 * 1024}
 CONDITION_STEP = 32
+# How QwenImageEditPlusPipeline introduces each condition image before the instruction (its _get_qwen_prompt_embeds).
+PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 TEXT_TO_IMAGE = "QwenImagePipeline"
 TEXT_TO_IMAGE_LENGTH = 512  # QwenImagePipeline.__call__'s default max_sequence_length, which it applies
 TEXT_TO_IMAGE_MAX_LENGTH = 1024  # the longest max_sequence_length QwenImagePipeline.__call__ accepts
@@ -51,8 +53,8 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
     Each prompt gives `[S, D]` embeddings (the S real tokens the pipeline gives its transformer: vision
     tokens, then the instruction, after it drops its system template) and an all-ones int64 mask `[S]`.
     A `max_sequence_length` cap keeps only the first tokens of a longer prompt and reports the cut
-    (`PromptEncoding.truncations`; the build warns and records it). Prompts are encoded one at a time,
-    as the pipeline does: each sample brings its own images. No conditioning tensors are returned.
+    (`PromptEncoding.truncations`; the build warns and records it). A batch of prompts is encoded in one
+    Qwen2.5-VL call, each prompt with its own images (`encode_with_images`). No conditioning tensors are returned.
     A prompt without images goes through `QwenImagePipeline.encode_prompt` (see the module docstring).
     """
 
@@ -106,35 +108,74 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
         return resized
 
     def encode_batch(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]:
-        """Each prompt with its resized condition images through `encode_prompt`; a cap cuts, and reports it."""
-        results = []
+        """The prompts with images in one Qwen2.5-VL call, those without in one more; a cap cuts, and reports it."""
         for prompt, images in zip(prompts, conditions):
-            if not images:
-                results.append(self.encode_text_only(prompt))
-                continue
-            if self.single_condition and len(images) != 1:
+            if images and self.single_condition and len(images) != 1:
                 raise ValueError(
                     f"{self.path}: QwenImageEditPipeline looks at exactly one condition image, got {len(images)} "
                     f"for prompt {prompt!r} (QwenImageEditPlusPipeline takes several)"
                 )
-            resized = [self.resize_condition(image) for image in images]
+        results: list[PromptEncoding | None] = [None] * len(prompts)
+        looking = [i for i, images in enumerate(conditions) if images]
+        blind = [i for i, images in enumerate(conditions) if not images]
+        if looking:
+            resized = [[self.resize_condition(image) for image in conditions[i]] for i in looking]
+            for i, embeddings in zip(looking, self.encode_with_images([prompts[i] for i in looking], resized)):
+                results[i] = self.capped(embeddings)
+        if blind:
+            for i, encoding in zip(blind, self.encode_text_only([prompts[i] for i in blind])):
+                results[i] = encoding
+        return [r for r in results if r is not None]
+
+    def capped(self, embeddings: torch.Tensor) -> PromptEncoding:
+        """One prompt's `[S, D]` embeddings with an all-ones mask, cut at `max_sequence_length` (reported) if set."""
+        length = embeddings.shape[0]
+        cap = self.max_sequence_length
+        if cap is None or length <= cap:
+            return PromptEncoding(embeddings, torch.ones(length, dtype=torch.int64))
+        cut = Truncation("Qwen2.5-VL", length, cap, f"max_sequence_length {cap}")
+        return PromptEncoding(embeddings[:cap], torch.ones(cap, dtype=torch.int64), truncations=(cut,))
+
+    def encode_with_images(self, prompts: list[str], images: list[list[Image.Image]]) -> list[torch.Tensor]:
+        """Each prompt's `[S, D]` embeddings (every token the pipeline keeps) with its resized condition images.
+
+        One prompt goes through the pipeline's `encode_prompt`. Several go through one Qwen2.5-VL call built as
+        `encode_prompt` builds its single-sample call, each text with its own pictures, padded to the longest
+        (`encode_prompt` itself gives every prompt of a batch the same images); each prompt then keeps the
+        real tokens after the template, as `encode_prompt` does, equal to one at a time within the batched
+        call's rounding (docs/building-caches.md, "Batched prompts").
+        """
+        pipeline = self.pipeline
+        if len(prompts) == 1:
             # max_sequence_length is not passed: encode_prompt ignores it, and its __call__ only checks it.
-            embeddings, mask = self.pipeline.encode_prompt(
-                prompt=[prompt],
-                image=resized[0] if self.single_condition else resized,
+            embeddings, mask = pipeline.encode_prompt(
+                prompt=prompts,
+                image=images[0][0] if self.single_condition else images[0],
                 device=self.device,
                 num_images_per_prompt=1,
             )
-            length = embeddings.shape[1]
             # The pipeline returns no mask when every position is a real token.
-            real = torch.ones(length, dtype=torch.int64) if mask is None else mask[0]
-            cap = self.max_sequence_length
-            if cap is None or length <= cap:
-                results.append(PromptEncoding(embeddings[0], real))
-                continue
-            cut = Truncation("Qwen2.5-VL", length, cap, f"max_sequence_length {cap}")
-            results.append(PromptEncoding(embeddings[0, :cap], real[:cap], truncations=(cut,)))
-        return results
+            return [embeddings[0] if mask is None else embeddings[0, : int(mask[0].sum())]]
+        template = pipeline.prompt_template_encode
+        if self.single_condition:  # the template holds the one picture's placeholder
+            texts = [template.format(prompt) for prompt in prompts]
+        else:
+            texts = [
+                template.format("".join(PICTURE.format(k + 1) for k in range(len(pictures))) + prompt)
+                for prompt, pictures in zip(prompts, images)
+            ]
+        flat = [picture for pictures in images for picture in pictures]
+        inputs = pipeline.processor(text=texts, images=flat, padding=True, return_tensors="pt").to(self.device)
+        hidden = pipeline.text_encoder(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            pixel_values=inputs.get("pixel_values"),
+            image_grid_thw=inputs.get("image_grid_thw"),
+            output_hidden_states=True,
+        ).hidden_states[-1]
+        real = inputs["attention_mask"].bool()
+        start = pipeline.prompt_template_encode_start_idx
+        return [hidden[i][real[i]][start:] for i in range(len(prompts))]
 
     def text_to_image_pipeline(self) -> Any:
         """Qwen-Image's text-to-image pipeline sharing this pipeline's text encoder and tokenizer (nothing loaded)."""
@@ -156,20 +197,23 @@ class QwenImageEditEncoder(DiffusersPipelineEncoder):
             )
         return self._text_to_image
 
-    def encode_text_only(self, prompt: str) -> PromptEncoding:
-        """One prompt without images, through `QwenImagePipeline.encode_prompt`, cut where its `__call__` cuts."""
+    def encode_text_only(self, prompts: list[str]) -> list[PromptEncoding]:
+        """Prompts without images, in one `QwenImagePipeline.encode_prompt` call, cut where its `__call__` cuts."""
         pipeline = self.text_to_image_pipeline()
         if self.max_sequence_length is None:
             cap, cause = TEXT_TO_IMAGE_LENGTH, f"{TEXT_TO_IMAGE}'s default max_sequence_length {TEXT_TO_IMAGE_LENGTH}"
         else:
             cap = min(self.max_sequence_length, TEXT_TO_IMAGE_MAX_LENGTH)
             cause = f"max_sequence_length {cap}"
-        embeddings, _ = pipeline.encode_prompt(
-            prompt=[prompt], device=self.device, num_images_per_prompt=1, max_sequence_length=cap
+        embeddings, mask = pipeline.encode_prompt(
+            prompt=prompts, device=self.device, num_images_per_prompt=1, max_sequence_length=cap
         )
-        # The template's tokens before the prompt are dropped, as encode_prompt drops them.
-        template = pipeline.prompt_template_encode.format(prompt)
-        tokens = len(pipeline.tokenizer(template)["input_ids"]) - pipeline.prompt_template_encode_start_idx
-        mask = torch.ones(embeddings.shape[1], dtype=torch.int64)
-        cuts = (Truncation("Qwen2.5-VL", tokens, embeddings.shape[1], cause),) if tokens > embeddings.shape[1] else ()
-        return PromptEncoding(embeddings[0], mask, truncations=cuts)
+        results = []
+        for i, prompt in enumerate(prompts):
+            kept = embeddings.shape[1] if mask is None else int(mask[i].sum())
+            # The template's tokens before the prompt are dropped, as encode_prompt drops them.
+            template = pipeline.prompt_template_encode.format(prompt)
+            tokens = len(pipeline.tokenizer(template)["input_ids"]) - pipeline.prompt_template_encode_start_idx
+            cuts = (Truncation("Qwen2.5-VL", tokens, kept, cause),) if tokens > kept else ()
+            results.append(PromptEncoding(embeddings[i, :kept], torch.ones(kept, dtype=torch.int64), truncations=cuts))
+        return results

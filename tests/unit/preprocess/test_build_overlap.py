@@ -1,0 +1,153 @@
+"""Claims about a build that reads ahead of its encoders and writes behind them: what it overlaps, and that its cache
+equals the one a build that overlaps nothing writes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from support.builds import DEMO_SPECS, torch_threads, write_manifest
+from support.pipelines import QWEN, edit_manifest
+
+from image_edit_data.preprocess.encoders.demo import DemoImageEncoder
+from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
+from image_edit_data.preprocess.run.journal import journal_path
+from image_edit_data.preprocess.run.resize import ResizePolicy, to_pixels
+from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
+
+build_module = importlib.import_module("image_edit_data.preprocess.run.build_cache")  # the package re-exports a name
+RESIZE = ResizePolicy("max_pixels", max_pixels=32 * 32, spatial_alignment=16, upscale=True)
+
+
+def every_file(root: Path) -> dict[str, bytes]:
+    """Every file of a cache by relative path, journal included."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_pixels_are_the_bytes_scaled_to_minus_one_one_as_torch_computes_them() -> None:
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (24, 40, 3), dtype=np.uint8)) for _ in range(3)]
+    stacked = torch.from_numpy(np.stack([np.asarray(image) for image in images]))
+    expected = stacked.permute(0, 3, 1, 2).to(torch.float32) / 127.5 - 1.0
+    pixels = to_pixels(images)
+    assert torch.equal(pixels, expected) and pixels.stride() == expected.stride()
+    assert torch.equal(to_pixels([images[0].convert("L")]), to_pixels([images[0].convert("L").convert("RGB")]))
+
+
+def test_an_overlapped_pipeline_build_writes_the_same_bytes_as_one_that_overlaps_nothing(
+    tmp_path: Path, qwen_path: Path
+) -> None:
+    manifest = JsonlManifestSource(edit_manifest(tmp_path / "raw", rows=7))
+    spec = {"class_path": QWEN, "init_args": {"path": str(qwen_path), "torch_dtype": "float32"}}
+    resize = ResizePolicy("max_pixels", max_pixels=4096, spatial_alignment=32, upscale=True)
+    caches = {}
+    # .pt payloads: torch.save writes the same bytes for the same tensors; a safetensors header's metadata keys
+    # come out in another order from one write to the next. Both builds in this process at one torch thread, so
+    # the same batches meet the same kernels.
+    for name, read_ahead in (("serial", 0), ("overlapped", 16)):
+        options = BuildOptions(resize=resize, batch_size=2, read_ahead=read_ahead)
+        with torch_threads(1):
+            report = build_cache(tmp_path / name, manifest, spec, spec, options)
+        assert report.written == 7 and report.encoder_seconds > 0
+        caches[name] = every_file(tmp_path / name)
+    assert caches["serial"] == caches["overlapped"]
+    assert "progress/rank-00000.jsonl" in caches["serial"] and len(caches["serial"]) == 7 + 4
+
+
+class Recorder:
+    """Read times per position and encoder calls, shared by the source and the encoder of one build."""
+
+    reads: Counter[int] = Counter()
+    next_window_read = threading.Event()
+    calls: list[tuple[float, float]] = []
+
+
+class RecordingSource(JsonlManifestSource):
+    """A manifest source that counts each read and flags when a position of the second window is read."""
+
+    def read(self, position: int) -> Any:
+        Recorder.reads[position] += 1
+        if position >= 4:
+            Recorder.next_window_read.set()
+        return super().read(position)
+
+
+class WaitingImageEncoder(DemoImageEncoder):
+    """The demo encoder, whose first call waits (up to 10 s) for a read of the next window to start."""
+
+    def __init__(self, latent_channels: int = 4) -> None:
+        super().__init__(latent_channels)
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        started = time.monotonic()
+        if not Recorder.calls:
+            Recorder.next_window_read.wait(10)
+        Recorder.calls.append((started, time.monotonic()))
+        return super().encode(images)
+
+
+def test_the_next_window_is_read_while_the_encoder_works_and_each_sample_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Recorder, "reads", Counter())
+    monkeypatch.setattr(Recorder, "next_window_read", threading.Event())
+    monkeypatch.setattr(Recorder, "calls", [])
+    source = RecordingSource(write_manifest(tmp_path / "raw", rows=20))
+    image = {"class_path": f"{__name__}.WaitingImageEncoder", "init_args": {}}
+    options = BuildOptions(resize=RESIZE, batch_size=1, read_ahead=8)  # windows of 4 samples, 2 read ahead
+    build_cache(tmp_path / "c", source, image, DEMO_SPECS[1], options)
+    first_call = Recorder.calls[0]
+    assert Recorder.next_window_read.is_set() and first_call[1] - first_call[0] < 10
+    assert Recorder.reads == Counter(range(20))  # each position read once: no window read twice
+
+
+def test_with_no_read_ahead_only_the_window_being_encoded_has_been_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Recorder, "reads", Counter())
+    source = RecordingSource(write_manifest(tmp_path / "raw", rows=8))
+    image = {"class_path": f"{__name__}.WaitingImageEncoder", "init_args": {}}
+    seen: list[int] = []
+    original = DemoImageEncoder.encode
+
+    def encode(self: Any, images: torch.Tensor) -> torch.Tensor:
+        seen.append(max(Recorder.reads))
+        return original(self, images)
+
+    monkeypatch.setattr(WaitingImageEncoder, "encode", encode)
+    build_cache(tmp_path / "c", source, image, DEMO_SPECS[1], BuildOptions(resize=RESIZE, batch_size=1, read_ahead=0))
+    assert seen[0] == 3  # the first window (positions 0-3) alone was read when encoding began
+
+
+def test_a_failed_write_stops_the_build_with_earlier_windows_journaled_and_a_rerun_finishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = JsonlManifestSource(write_manifest(tmp_path / "raw", rows=12))
+    options = BuildOptions(resize=RESIZE, batch_size=1)  # windows of 4 samples
+    original = build_module.write_sample
+
+    def write_sample(root: Path, sample: Any, *args: Any) -> dict[str, Any]:
+        if sample.source.position == 6:
+            raise OSError(28, "No space left on device")
+        return original(root, sample, *args)
+
+    monkeypatch.setattr(build_module, "write_sample", write_sample)
+    with pytest.raises(OSError, match="No space left on device"):
+        build_cache(tmp_path / "c", source, *DEMO_SPECS, options)
+    # The window before the failed one; neither the failed window nor the one after it, though it was written.
+    journaled = journal_path(tmp_path / "c", 0).read_text().splitlines()
+    assert [json.loads(line)["position"] for line in journaled] == [0, 1, 2, 3]
+    monkeypatch.setattr(build_module, "write_sample", original)
+    report = build_cache(tmp_path / "c", source, *DEMO_SPECS, options)
+    assert (report.already_done, report.written) == (4, 8)
+    build_cache(tmp_path / "whole", source, *DEMO_SPECS, options)
+    assert every_file(tmp_path / "c").keys() == every_file(tmp_path / "whole").keys()
