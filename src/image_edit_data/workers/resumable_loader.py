@@ -35,7 +35,14 @@ from ..contract.batch import Batch
 from ..sampling.resume import loader_state, note_consumed, sampler_state_of
 from ..sampling.sampler import BucketBatchSampler
 from .deadline import WaitDeadline, end_processes
-from .start import WorkerStart, choose_start, refuse_a_rerun_of_main, start_failure_hint, worker_context
+from .start import (
+    WorkerStart,
+    choose_start,
+    note_server_used,
+    refuse_a_rerun_of_main,
+    start_failure_hint,
+    worker_context,
+)
 from .watch import LoaderWorkerTimeoutError, WatchedDataset, WorkerWatch
 
 log = logging.getLogger(__name__)
@@ -175,6 +182,8 @@ class ResumableDataLoader(StatefulDataLoader):
         """Before the step that starts a pool: a fresh watch table, and the deadline over the processes it starts."""
         assert self.watch is not None
         refuse_a_rerun_of_main()
+        if self.worker_start == "forkserver":
+            note_server_used()
         self.watch.renew()
         self._starting = PoolProcesses({process.pid for process in multiprocessing.active_children()})
         self._pool_running = True
