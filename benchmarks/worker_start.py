@@ -8,9 +8,10 @@ script has) builds our loader with `--num-workers` workers and times:
 each the median of `--rounds` fresh processes. Prints a table; `--json` keeps the numbers.
 
 `--fit` instead times a Lightning fit (a one-parameter model, one CPU device, or `--devices 2` under
-DDP) from making the DataModule to the first training batch of rank 0, with the workers' fork
-server started where the DataModule starts it (`setup`, in the rank) or, as before 2026-12-06,
-when the DataModule is made (`made`: the script calls `data.config.start_workers_early()` then).
+DDP) from making the DataModule to the end of its first optimizer step on rank 0 (under DDP that
+step waits for every rank), with the workers' fork server started where the DataModule starts it
+(`setup`, in each rank) or, as before 2026-12-06, when the DataModule is made (`made`: the script
+calls `data.config.start_workers_early()` then, in each rank).
 
     python -m benchmarks.worker_start [--rounds 5] [--num-workers 2]
     python -m benchmarks.worker_start --fit [--rounds 5] [--num-workers 2] [--devices 1]
@@ -69,9 +70,11 @@ class FirstBatch(pl.LightningModule):
         self.first = None
 
     def training_step(self, batch, batch_idx):
-        if self.first is None:
-            self.first = time.perf_counter()
         return (self.weight * batch["image_latents"].float().mean()) ** 2
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.first is None:
+            self.first = time.perf_counter()  # after the step's gradient all-reduce: every rank got here
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -89,14 +92,14 @@ if __name__ == "__main__":
     )
     trainer.fit(model, datamodule=data)
     if trainer.global_rank == 0:
-        print(json.dumps({"first_batch": model.first - made}))
+        print(json.dumps({"first_step": model.first - made}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 """
 
 
 def fit_rounds(root: Path, args: argparse.Namespace) -> None:
-    """`--fit`: time to rank 0's first training batch with the server started in `setup` and when the module is made."""
+    """`--fit`: time to rank 0's first optimizer step with the server started in `setup` or when the module is made."""
     script = root / "fit_child.py"
     script.write_text(FIT_CHILD)
     results: dict[str, list[dict[str, float]]] = {"setup": [], "made": []}
@@ -121,10 +124,10 @@ def fit_rounds(root: Path, args: argparse.Namespace) -> None:
     print(
         f"fit, {args.devices} device(s), {args.num_workers} workers, median of {args.rounds} fresh processes (seconds)"
     )
-    print(f"{'fork server starts':<26}{'DataModule made -> first batch':>32}{'whole process':>15}")
+    print(f"{'fork server starts':<26}{'DataModule made -> first step':>32}{'whole process':>15}")
     for server, numbers in medians.items():
         where = "in setup (now)" if server == "setup" else "when the module is made"
-        print(f"{where:<26}{numbers['first_batch']:>32.3f}{numbers['process']:>15.2f}")
+        print(f"{where:<26}{numbers['first_step']:>32.3f}{numbers['process']:>15.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": results, "medians": medians}, indent=1))
 
