@@ -5,7 +5,7 @@ run it (`support/doc_blocks.py` says how, per language), with one substitution: 
 a directory of caches the fixture made. A block that cannot run in CI (it trains for long, needs
 a GPU, model weights or a remote store, or measures) carries `<!-- not run: <why> -->` on the line
 above it, which the page's source shows next to the block; output, diagrams and synopses are
-`text`. Blocks that run a script, a shell command or a loader start processes: the slow tier.
+`text`. Python and shell blocks run as processes of their own: the slow tier.
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ from sybil import Example
 
 from image_edit_data.preprocess.demo_cache import write_demo_cache
 
-STARTS_PROCESSES = (".build(", ".fit(", "__main__")
-
 
 def marks(example: Example) -> list[pytest.MarkDecorator]:
+    """Python and bash blocks run as processes of their own."""
     language = example.region.evaluator.__name__  # type: ignore[union-attr]
-    source = str(example.parsed)
-    slow = language == "bash" or any(call in source for call in STARTS_PROCESSES)
-    return [pytest.mark.slow] if slow else []
+    return [pytest.mark.slow] if language in ("python", "bash") else []
 
 
 BLOCKS = [pytest.param(example, id=name, marks=marks(example)) for name, example in examples()]

@@ -1,8 +1,8 @@
 """Run the code blocks of README.md and docs/*.md as a reader would, with Sybil's Markdown parsers.
 
 A block runs unless the line above its opening fence is `<!-- not run: <why> -->`. What runs:
-- `python`: in this process, one namespace per document, in a fresh working directory; a block with
-  a main guard is a script, so it runs as one (`python block.py`, in a process of its own);
+- `python`: as a program of its own, `python block.py` in a fresh working directory (a block is
+  complete: it imports what it uses; and what it defines stays out of the tests' process);
 - `bash`: with `bash -euo pipefail`, the package's `image-edit-data` first on PATH;
 - `yaml`: a LightningCLI config fragment, parsed by `image-edit-data fit --print_config` over the quickstart config;
 - `json`: a manifest line, built into a cache with the demo encoders (the images it names are drawn first).
@@ -37,7 +37,6 @@ NOT_RUN = re.compile(r"^<!-- not run: (?P<reason>\S.*?) -->$")
 FENCE = re.compile(r"^```(?P<language>\S*)\s*$")
 RUN = ("python", "bash", "yaml", "json")
 PROSE = "text"
-MAIN_GUARD = re.compile(r"^if __name__ == ['\"]__main__['\"]:", re.MULTILINE)
 SCRIPT_SECONDS = 600
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
@@ -90,21 +89,8 @@ class Runner:
 
     def python(self, example: Example) -> None:
         source = self.here().substitute(str(example.parsed))
-        if MAIN_GUARD.search(source):
-            self.script(source, example)
-            return
-        code = compile(pad(source, example.line + example.parsed.line_offset), example.path, "exec", dont_inherit=True)
-        previous = Path.cwd()
-        os.chdir(self.here().workdir)
-        try:
-            exec(code, example.namespace)
-        finally:
-            os.chdir(previous)
-            example.namespace.pop("__builtins__", None)
-
-    def script(self, source: str, example: Example) -> None:
         script = self.here().workdir / f"block_{example.line}.py"
-        script.write_text(source)
+        script.write_text(pad(source, example.line + example.parsed.line_offset))  # tracebacks name the page's lines
         done = run_process_group([sys.executable, str(script)], SCRIPT_SECONDS, environment(), self.here().workdir)
         assert done.returncode == 0, f"{example.path}:{example.line} exited with {done.returncode}:\n{tail(done)}"
 
