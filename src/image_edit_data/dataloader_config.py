@@ -19,7 +19,7 @@ from .sampling.sampler import BucketBatchSampler, EvalBatchSampler, check_rank
 from .storage.location import DEFAULT_SHARD_CACHE_BYTES, CacheLocation, RemoteRead
 from .storage.remote import RequestPolicy
 from .workers.resumable_loader import ResumableDataLoader
-from .workers.start import WorkerStart, check_start, start_server_early, uses_server, wait_for_server
+from .workers.start import WorkerStart, check_start, start_server_early, wait_for_server
 
 
 class DiffusionDataloaderBuild(NamedTuple):
@@ -160,12 +160,14 @@ class ImageEditDataloaderConfig:
 
         The server imports torch, the read path and Lightning (when loaded) once per process: a second
         or more, before which no pool can deliver a batch. Started early, it imports while this process
-        does other work: the DataModule calls this when it is made, before the model is, and opening
-        the cache calls it at the latest. With `wait`, return only once the server has imported them
-        (within `worker_timeout`), so that the loader's first pool pays only for its own start.
+        does other work: opening the cache calls this (the DataModule opens it in Lightning's `setup`,
+        in each rank's process). It starts nothing while this process re-runs its main script's top
+        level (a worker starting up), and nothing a process forked later could use: call it in the
+        process that trains. With `wait`, return only once the server has imported them (within
+        `worker_timeout`), so that the loader's first pool pays only for its own start.
         """
-        start_server_early(self.multiprocessing_context, self.num_workers)
-        if wait and uses_server(self.multiprocessing_context, self.num_workers):
+        started = start_server_early(self.multiprocessing_context, self.num_workers)
+        if started and wait:
             wait_for_server(self.worker_timeout or None)
 
     def open_dataset(self, cache_dir: str | None = None) -> ImageEditDataset | MixtureDataset:

@@ -10,14 +10,21 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 
 def run_process_group(
-    command: Sequence[str], timeout: float, env: Mapping[str, str] | None = None
+    command: Sequence[str], timeout: float, env: Mapping[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(command, capture_output=True, text=True)` in its own session; on timeout SIGKILL the session."""
     process = subprocess.Popen(
-        list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        list(command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)

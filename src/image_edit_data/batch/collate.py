@@ -140,7 +140,8 @@ def _batch_fields(samples: Sequence[Sample]) -> list[_Field]:
                 f"{sorted(sample['conditioning_tensors'])}, sample 0 has {names}"
             )
     for name in names:
-        _check_same(samples, _conditioning_form(name), f"conditioning tensor {name!r} shape/dtype", _shown_form)
+        rule = "a conditioning tensor must have the same shape and dtype in every sample"
+        _check_same(samples, _conditioning_form(name), f"conditioning tensor {name!r} shape/dtype", _shown_form, rule)
     size = len(samples)
     longest = max(s["prompt_embeddings"].shape[0] for s in samples)
     embeddings = [s["prompt_embeddings"] for s in samples]
@@ -182,16 +183,17 @@ def stacked(key: str, name: str | int | None, sources: Sequence[Source]) -> _Fie
 
 
 def _check_same(
-    samples: Sequence[Sample], key: Callable[[Sample], Key], what: str, shown: Callable[[Key], str]
+    samples: Sequence[Sample], key: Callable[[Sample], Key], what: str, shown: Callable[[Key], str], rule: str = ""
 ) -> None:
-    """Refuse a batch whose samples disagree on `key` (one compound signature per batch); `shown` formats a key."""
+    """Refuse a batch whose samples disagree on `key` (one compound signature per batch); `shown` formats a key,
+    `rule` (when given) ends the message in brackets."""
     values = [key(s) for s in samples]
     first = values[0]
     for differing, value in enumerate(values):
         if value != first:
             raise ValueError(
                 f"a batch must hold one compound signature: {what} of sample {differing} is {shown(value)}, "
-                f"sample 0 has {shown(first)}"
+                f"sample 0 has {shown(first)}" + (f" ({rule})" if rule else "")
             )
 
 

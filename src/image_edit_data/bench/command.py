@@ -27,6 +27,7 @@ from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
 from rich.progress import track
 
+from ..preprocess.console import labelled
 from .measure import LOADER_NOISE
 from .other import OtherLoader
 from .paths import resolve_path_options
@@ -123,9 +124,10 @@ def _bench_parser() -> ArgumentParser:
 
 
 def make_console() -> Console:
-    """Console output; when piped, 160 columns wide so the tables keep one line per row."""
-    console = Console(soft_wrap=True)
-    return console if console.is_terminal else Console(soft_wrap=True, width=160)
+    """Console output, markup off (paths print as they are); when piped, 160 columns wide so the tables keep one
+    line per row."""
+    console = Console(soft_wrap=True, markup=False, highlight=False)
+    return console if console.is_terminal else Console(soft_wrap=True, width=160, markup=False, highlight=False)
 
 
 def bench_main(argv: list[str], other: OtherLoader | None = None) -> int:
@@ -139,7 +141,7 @@ def bench_main(argv: list[str], other: OtherLoader | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse reports bad options as ArgumentError/TypeError
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        console.print(labelled("error:", "red", error))
         return 2
     if options.torch_threads is not None:
         torch.set_num_threads(options.torch_threads)
@@ -151,7 +153,7 @@ def bench_main(argv: list[str], other: OtherLoader | None = None) -> int:
             warnings.filterwarnings("ignore", message=LOADER_NOISE)
             results = run(cache_dir, options, args, console, other)
     except USER_ERRORS as error:
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        console.print(labelled("error:", "red", error))
         return 1
     finally:
         if temporary is not None:

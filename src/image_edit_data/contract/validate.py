@@ -41,7 +41,7 @@ def nonnegative_int(value: object, file: str, field: str) -> int:
 def shape(value: object, rank: int, file: str, field: str, allow_zero: bool = False) -> tuple[int, ...]:
     """Check a JSON shape list of `rank` integers (positive unless `allow_zero`)."""
     if not isinstance(value, (list, tuple)) or len(value) != rank:
-        fail(file, field, f"expected a list of {rank} integers, got {show(value)}")
+        fail(file, field, f"must contain exactly {rank} dimensions (a list of {rank} integers), got {show(value)}")
     lowest = 0 if allow_zero else 1
     for dim in value:
         if not _is_int(dim) or not lowest <= dim <= MAX_DIM:
@@ -120,7 +120,8 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
         fail(file, "conditioning_tensors", f"expected a mapping of name to tensor, got {type(conditioning).__name__}")
     actual = Signature(target=target_shape, contexts=context_shapes, mask=EDIT_MASK in conditioning)
     if actual != expected:
-        fail(file, "compound_bucket_signature", f"index says {expected.describe()}, tensors are {actual.describe()}")
+        problem = f"tensor shapes {actual.describe()} do not match metadata shard signature {expected.describe()}"
+        fail(file, "compound_bucket_signature", problem)
 
     embeddings = _tensor_field(raw, "prompt_embeddings", file)
     if embeddings.ndim != 2 or not embeddings.is_floating_point():
@@ -134,7 +135,8 @@ def payload(raw: object, expected: Signature, file: str, manifest_revision: str 
         fail(
             file,
             "prompt_attention_mask",
-            f"expected shape [sequence] matching prompt_embeddings ({embeddings.shape[0]},), got {tuple(mask.shape)}",
+            f"prompt_attention_mask must have shape [sequence] matching prompt_embeddings ({embeddings.shape[0]},), "
+            f"got {tuple(mask.shape)}",
         )
     if mask.is_floating_point() or mask.is_complex():
         fail(file, "prompt_attention_mask", f"expected a bool or integer dtype, got {mask.dtype}")

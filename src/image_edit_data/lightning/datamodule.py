@@ -78,9 +78,9 @@ class ImageEditDataModule(pl.LightningDataModule):
         self.val_cache_dir = val_cache_dir
         self.on_resume_mismatch = on_resume_mismatch
         self.demo_samples = demo_samples
+        # Nothing starts here: a DataModule is often made where workers and spawned ranks re-run the script's top
+        # level, or in a process that forks the ranks. The workers' fork server starts in `setup`, in the rank.
         self.config = ImageEditDataloaderConfig(cache_dir=cache_dir, **options)
-        # The workers' fork server imports torch and Lightning while the trainer and the model are made.
-        self.config.start_workers_early()
         # Every data option, defaults included, so each checkpoint records the whole data config; credentials
         # in storage options (and inside URLs) are redacted: checkpoints and hparams.yaml get shared.
         module_options = {"batch_size": batch_size, "val_cache_dir": val_cache_dir}
@@ -113,7 +113,11 @@ class ImageEditDataModule(pl.LightningDataModule):
                 write_demo_cache(location.local_path, count, seed)
 
     def setup(self, stage: str) -> None:
-        """Open the caches this stage needs (index only: cheap, and done once)."""
+        """Open the caches this stage needs (index only: cheap, and done once); the workers' fork server starts first.
+
+        Lightning calls this in each rank's own process, so the server is that process's child, whatever
+        the strategy (a forked rank cannot use a server its parent started).
+        """
         if stage == "fit" and self.train_dataset is None:
             self.train_dataset = self.config.open_dataset()
         if stage in ("fit", "validate") and self.val_cache_dir and self.val_dataset is None:

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from jsonargparse import ActionYesNo, ArgumentParser, Namespace
 from rich.console import Console
-from rich.markup import escape
 
+from .console import labelled, make_console
 from .demo_cache import write_demo_cache
 from .run.command import build_parser, print_summary, progress_bar, run_build
 from .sources.base import BadSampleError
@@ -101,12 +101,6 @@ def cache_parser() -> ArgumentParser:
     return parser
 
 
-def make_console() -> Console:
-    """Console output; when piped, 160 columns wide so bucket signatures and paths stay on one line."""
-    console = Console(soft_wrap=True)
-    return console if console.is_terminal else Console(soft_wrap=True, width=160)
-
-
 def cache_main(argv: list[str]) -> int:
     """`image-edit-data cache ...`; returns the exit code."""
     console = make_console()
@@ -115,19 +109,16 @@ def cache_main(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse reports bad options as ArgumentError/TypeError
-        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        console.print(labelled("error:", "red", error))
         return 2
     command = args.command
     try:
         return CACHE_COMMANDS[command].run(args[command], console)
     except BadSampleError as error:
-        console.print(
-            f"[red]bad sample:[/red] {escape(str(error))}\n(use --on-bad-sample skip to leave such samples out)",
-            highlight=False,
-        )
+        console.print(labelled("bad sample:", "red", f"{error}\n(use --on-bad-sample skip to leave such samples out)"))
         return 1
     except USER_ERRORS as error:
-        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        console.print(labelled("error:", "red", error))
         return 1
 
 
@@ -177,7 +168,7 @@ def demo_cache_main(argv: list[str]) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     except Exception as error:
-        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        console.print(labelled("error:", "red", error))
         return 2
     try:
         with progress_bar(console, args.quiet, "encoding") as on_progress:
@@ -188,11 +179,11 @@ def demo_cache_main(argv: list[str]) -> int:
                 args.format,
                 args.batch_size,
                 on_progress=on_progress,
-                log=lambda message: console.print(f"[dim]{message}[/dim]"),
+                log=lambda message: console.print(message, style="dim"),
             )
         print_summary(console, report)
     except USER_ERRORS as error:
-        console.print(f"[red]error:[/red] {escape(str(error))}", highlight=False)
+        console.print(labelled("error:", "red", error))
         return 1
     console.print(f"train with cache_dir={Path(args.out_dir).resolve()}")
     return 0

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import multiprocessing
@@ -36,7 +35,14 @@ from ..contract.batch import Batch
 from ..sampling.resume import loader_state, note_consumed, sampler_state_of
 from ..sampling.sampler import BucketBatchSampler
 from .deadline import WaitDeadline, end_processes
-from .start import WorkerStart, choose_start, refuse_a_rerun_of_main, start_failure_hint, worker_context
+from .start import (
+    WorkerStart,
+    choose_start,
+    note_server_used,
+    refuse_a_rerun_of_main,
+    start_failure_hint,
+    worker_context,
+)
 from .watch import LoaderWorkerTimeoutError, WatchedDataset, WorkerWatch
 
 log = logging.getLogger(__name__)
@@ -89,7 +95,7 @@ class ResumableDataLoader(StatefulDataLoader):
         self._pool_running = False
         self._pool_answered = False  # the running pool has delivered a batch
         self._deadline: WaitDeadline | None = None
-        self._existing: set[int | None] = set()  # child processes before the running pool started
+        self._starting: PoolProcesses | None = None  # the running pool's processes, as the deadline sees them
 
     def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
         """This pass's batches; each one moves the sampler's consumed position as it is handed over."""
@@ -147,8 +153,8 @@ class ResumableDataLoader(StatefulDataLoader):
         while True:
             try:
                 verdict = self._deadline.end() if self._deadline is not None else None
-                if starting:
-                    self._pool = self._new_processes()
+                if starting and self._starting is not None:
+                    self._pool = self._starting.fix()
                 return verdict
             except RuntimeError:
                 # Torch's SIGCHLD handler reporting a worker the deadline has just killed (a child of this process):
@@ -176,24 +182,20 @@ class ResumableDataLoader(StatefulDataLoader):
         """Before the step that starts a pool: a fresh watch table, and the deadline over the processes it starts."""
         assert self.watch is not None
         refuse_a_rerun_of_main()
+        if self.worker_start == "forkserver":
+            note_server_used()
         self.watch.renew()
-        self._existing = {process.pid for process in multiprocessing.active_children()}
+        self._starting = PoolProcesses({process.pid for process in multiprocessing.active_children()})
         self._pool_running = True
         if self.worker_timeout > 0:
-            # The pool's processes are known only once torch has started them, inside the step the deadline covers.
-            processes = functools.partial(children_since, frozenset(self._existing))
-            self._deadline = WaitDeadline(processes, self.worker_timeout, self.watch.describe)
-
-    def _new_processes(self) -> list[BaseProcess]:
-        """The child processes started since `_start_pool`: this pool's workers (nothing else starts meanwhile)."""
-        return children_since(self._existing)
+            self._deadline = WaitDeadline(self._starting, self.worker_timeout, self.watch.describe)
 
     def _end_pool(self, error: BaseException | None = None, at_once: bool = False) -> None:
         """Stop the running pool; its processes are gone when this returns, and the next pass starts a new one.
 
         `at_once` (closing the loader) ends a fork server's workers without waiting for a batch they are loading.
         """
-        processes, self._pool = self._pool, []
+        processes, self._pool, self._starting = self._pool, [], None
         if self._deadline is not None:
             self._deadline.stop()
             self._deadline = None
@@ -245,6 +247,28 @@ class ResumableDataLoader(StatefulDataLoader):
         close_files = getattr(self.dataset, "close", None)
         if callable(close_files):
             close_files()
+
+
+class PoolProcesses:
+    """The processes of one pool: while it starts, the child processes started since; then those, fixed.
+
+    Torch starts the workers inside the step that starts the pool, so until that step returns they
+    are the children that appeared meanwhile (this loader's thread starts nothing else); from then
+    on the list is fixed, so a deadline never ends the workers of a loader started later.
+    """
+
+    def __init__(self, existing: Set[int | None]) -> None:
+        self.existing = frozenset(existing)
+        self.known: list[BaseProcess] | None = None
+
+    def __call__(self) -> list[BaseProcess]:
+        return self.known if self.known is not None else children_since(self.existing)
+
+    def fix(self) -> list[BaseProcess]:
+        """The pool has started: its processes are those started so far, for good."""
+        if self.known is None:
+            self.known = children_since(self.existing)
+        return self.known
 
 
 def children_since(existing: Set[int | None]) -> list[BaseProcess]:

@@ -7,6 +7,11 @@ a script that trains under `if __name__ == "__main__":`, and for `python -c` or 
 as long as nothing handed to workers is defined in `__main__`. It cannot work for a script without
 that guard (each worker would train), for `python - < script.py` (there is no file to run again),
 or for a class defined in a notebook. `choose_start` finds those cases before any worker starts.
+
+The fork server is started by the process whose loaders use it, once it opens a cache (for the
+DataModule, in Lightning's `setup`, in each rank's own process), never while a process is still
+running its main module's top level (a worker, or a spawned rank, re-creating it), and never in a
+process forked from one whose server runs: a server serves only the process that started it.
 """
 
 from __future__ import annotations
@@ -52,7 +57,16 @@ FIX = (
     "multiprocessing_context='fork' (or leave it unset, and the loader forks its workers when it must)"
 )
 
+INHERITED_FIX = (
+    "open the cache and build loaders with workers in the process that trains (with Lightning, let the "
+    "DataModule's setup do it: do not call setup() or build a loader with workers before trainer.fit); or set "
+    "multiprocessing_context='fork' (or leave it unset, and the loader forks its workers when it must)"
+)
+
 _noted: set[str] = set()  # fall-backs already logged by this process
+# The process that started the fork server, or a pool from it, through this module. A process forked
+# from it inherits this value, and with it a server it cannot use: the server is not its child.
+_server_owner: int | None = None
 
 
 def main_module_problem(handed: Iterable[object] = ()) -> str | None:
@@ -109,7 +123,9 @@ def choose_start(requested: WorkerStart | None, handed: Iterable[object] = ()) -
     check_start(requested)
     if requested == "fork":
         return requested
-    problem = main_module_problem(handed)
+    problem, fix = main_module_problem(handed), FIX
+    if problem is None and requested != "spawn" and server_inherited():
+        problem, fix = inherited_server_problem(), INHERITED_FIX
     if problem is None:
         return requested or DEFAULT_WORKER_START
     if requested is None and FALLBACK_WORKER_START in multiprocessing.get_all_start_methods():
@@ -122,7 +138,7 @@ def choose_start(requested: WorkerStart | None, handed: Iterable[object] = ()) -
             )
         return FALLBACK_WORKER_START
     chosen = requested or DEFAULT_WORKER_START
-    raise RuntimeError(f"multiprocessing_context={chosen!r} cannot start loader workers here: {problem}. To fix: {FIX}")
+    raise RuntimeError(f"multiprocessing_context={chosen!r} cannot start loader workers here: {problem}. To fix: {fix}")
 
 
 def check_start(start: WorkerStart | None) -> None:
@@ -138,11 +154,42 @@ def refuse_a_rerun_of_main() -> None:
     here ends the worker at once with the fix named, and the training process reports the worker that
     ended before its first batch. (Building a loader there is harmless: only starting one is not.)
     """
+    if importing_main():
+        raise RuntimeError(f"a loader worker is running the main script's training code again. To fix: {FIX}")
+
+
+def importing_main() -> bool:
+    """Whether this process is running its main script's top level again, as `__mp_main__`.
+
+    A process started without a fork (a loader worker, a spawned rank) does that while it starts up,
+    before it runs what it was started for; multiprocessing refuses to start processes from there.
+    """
     frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
-            raise RuntimeError(f"a loader worker is running the main script's training code again. To fix: {FIX}")
+            return True
         frame = frame.f_back
+    return False
+
+
+def server_inherited() -> bool:
+    """Whether this process was forked from one that runs the workers' fork server (which only serves that one)."""
+    return _server_owner is not None and _server_owner != os.getpid()
+
+
+def inherited_server_problem() -> str:
+    """Why a forked process cannot start workers from the fork server it inherited."""
+    return (
+        f"this process was forked from process {_server_owner}, which runs the loader workers' fork server (a rank "
+        "of ddp_fork or ddp_notebook, say), and a fork server serves only the process that started it"
+    )
+
+
+def note_server_used() -> None:
+    """This process starts the fork server, or a pool from it: a process forked from it later cannot use it."""
+    global _server_owner
+    if _server_owner is None:
+        _server_owner = os.getpid()
 
 
 def start_failure_hint(start: WorkerStart | None) -> str:
@@ -179,24 +226,27 @@ def worker_context(start: WorkerStart) -> BaseContext:
     return context
 
 
-def start_server_early(start: WorkerStart | None, num_workers: int) -> None:
-    """Start the fork server now, so that its imports run while the cache opens and training sets up.
+def start_server_early(start: WorkerStart | None, num_workers: int) -> bool:
+    """Start the fork server now, so that its imports run while the cache opens and training sets up; whether it did.
 
     Starting it takes milliseconds; the server then imports torch and the read path in its own process
     (about a second), which would otherwise all come before the pool's first batch. Only for a
     loader with workers started by the fork server (the default, unless the main module cannot be
-    re-created here: then the pool forks and no server is started).
+    re-created here: then the pool forks and no server is started), and only where it is safe: not
+    while this process re-runs its main script's top level, nor from a server it inherited by a fork.
     """
-    if not uses_server(start, num_workers):
-        return
+    if not uses_server(start, num_workers) or importing_main():
+        return False
     worker_context("forkserver")  # the server's preload is fixed when it starts
     multiprocessing.forkserver.ensure_running()
+    note_server_used()
+    return True
 
 
 def uses_server(start: WorkerStart | None, num_workers: int) -> bool:
     """Whether a loader with `num_workers` workers and start method `start` would start them from the fork server."""
-    if num_workers <= 0 or start not in (None, "forkserver"):
-        return False  # no workers, a start without the server, or a name `check_start` refuses at build
+    if num_workers <= 0 or start not in (None, "forkserver") or server_inherited():
+        return False  # no workers, a start without the server (or with one it cannot use), or a refused name
     return start == "forkserver" or main_module_problem() is None
 
 

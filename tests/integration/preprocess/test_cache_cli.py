@@ -180,7 +180,7 @@ def test_validate_reports_every_corrupted_payload_and_exits_1(tmp_path: Path, ca
     out = capsys.readouterr().out
     assert "3 of 6 samples are bad" in out
     assert "samples/sample_00000002.pt: payload: " in out
-    assert "samples/sample_00000004.pt: prompt_attention_mask: expected shape [sequence] matching" in out
+    assert "samples/sample_00000004.pt: prompt_attention_mask: prompt_attention_mask must have shape [sequence]" in out
     assert "samples/sample_00000005.pt: target_latent: contains 1 NaN and 0 Inf values" in out
     assert cache_main(["validate", str(cache)]) == 1  # the NaN alone passes without --check-finite
     assert "2 of 6 samples are bad" in capsys.readouterr().out

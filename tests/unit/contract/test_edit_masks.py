@@ -177,7 +177,10 @@ def test_the_contract_refuses_a_mask_of_the_wrong_shape_type_or_range(mask: torc
 def test_an_index_that_says_masked_for_an_unmasked_payload_is_refused() -> None:
     unmasked = masked_payload(LEFT_QUARTER)
     unmasked["conditioning_tensors"] = {}
-    expected = r"index says target=4x4x4/contexts=\[4x4x4\]/mask, tensors are target=4x4x4/contexts=\[4x4x4\]$"
+    expected = (
+        r"tensor shapes target=4x4x4/contexts=\[4x4x4\] do not match metadata shard signature "
+        r"target=4x4x4/contexts=\[4x4x4\]/mask$"
+    )
     with pytest.raises(CacheFormatError, match=expected):
         validate.payload(unmasked, MASKED, "x.pt", None)
     with pytest.raises(CacheFormatError, match=r"compound_bucket_signature.mask: expected true or false, got 1"):

@@ -101,12 +101,12 @@ INDEX_VIOLATIONS = [
     ({"compound_bucket_signature": None}, r"\[0\]\.compound_bucket_signature: expected an object"),
     (
         {"compound_bucket_signature": {"target": [4, 8], "contexts": [[4, 8, 8]]}},
-        r"signature\.target: expected a list of 3",
+        r"signature\.target: must contain exactly 3 dimensions",
     ),
     ({"compound_bucket_signature": {"target": [4, 8, 0], "contexts": [[4, 8, 8]]}}, r"\.target: expected positive"),
     ({"compound_bucket_signature": {"target": [4, 8, True], "contexts": [[4, 8, 8]]}}, r"\.target: expected positive"),
     ({"compound_bucket_signature": {"target": [4, 8, 8], "contexts": None}}, r"\.contexts: expected a list of \[C"),
-    ({"compound_bucket_signature": {"target": [4, 8, 8], "contexts": [[4, 8]]}}, r"\.contexts\[0\]: expected a list"),
+    ({"compound_bucket_signature": {"target": [4, 8, 8], "contexts": [[4, 8]]}}, r"\.contexts\[0\]: must contain"),
     ({"target_token_length": -1}, r"\[0\]\.target_token_length: expected a non-negative integer"),
     ({"context_token_lengths": [1, 2]}, r"\[0\]\.context_token_lengths: expected 1 integers"),
 ]
@@ -232,21 +232,21 @@ PAYLOAD_VIOLATIONS = [
     ),
     (
         lambda p: p.__setitem__("context_latents", []),
-        r"compound_bucket_signature: index says target=4x8x8/contexts=\[4x8x8\], "
-        r"tensors are target=4x8x8/contexts=\[\]",
+        r"compound_bucket_signature: tensor shapes target=4x8x8/contexts=\[\] "
+        r"do not match metadata shard signature target=4x8x8/contexts=\[4x8x8\]",
     ),
     (
         lambda p: p.__setitem__("context_latents", [torch.zeros(4, 8, 8, dtype=torch.int32)]),
         r"context_latents\[0\]: expected a floating",
     ),
-    (lambda p: p.__setitem__("target_latent", torch.zeros(4, 8, 12)), "compound_bucket_signature: index says"),
+    (lambda p: p.__setitem__("target_latent", torch.zeros(4, 8, 12)), "compound_bucket_signature: tensor shapes"),
     (
         lambda p: p.__setitem__("prompt_embeddings", torch.zeros(5)),
         r"prompt_embeddings: expected a floating tensor \[sequence",
     ),
     (
         lambda p: p.__setitem__("prompt_attention_mask", torch.ones(3)),
-        r"prompt_attention_mask: expected shape \[sequence\] matching",
+        r"prompt_attention_mask: prompt_attention_mask must have shape \[sequence\] matching",
     ),
     (
         lambda p: p.__setitem__("prompt_attention_mask", torch.ones(5)),
@@ -259,7 +259,7 @@ PAYLOAD_VIOLATIONS = [
     (set_meta("original_ids", {}), "metadata.original_ids: expected a non-empty mapping"),
     (set_meta("original_ids", {"id": True}), "metadata.original_ids: expected non-empty names"),
     (set_meta("target_spatial_shape", [8, 9]), r"metadata.target_spatial_shape: expected \[8, 8\]"),
-    (lambda p: p["metadata"].pop("target_spatial_shape"), "metadata.target_spatial_shape: expected a list of 2"),
+    (lambda p: p["metadata"].pop("target_spatial_shape"), "metadata.target_spatial_shape: must contain exactly 2"),
     (set_meta("context_spatial_shapes", [[8, 9]]), r"metadata.context_spatial_shapes: expected \[\[8, 8\]\]"),
     (
         set_meta("compound_bucket_signature", {"target": [4, 8, 8], "contexts": [[4, 8, 8], [4, 8, 8]]}),

@@ -1,12 +1,17 @@
-"""The workers' fork server starts as soon as the process says it will use one, and loads itself before any worker.
+"""The workers' fork server starts when the process that trains opens its cache, and loads itself before any worker.
 
-With workers, it starts when the cache opens, or earlier when the DataModule is made, so that its
-imports overlap what comes before the pool; `start_workers_early(wait=True)` returns once it has
-loaded them, and what it loaded is frozen out of the garbage collector's reach before it forks.
+With workers, it starts when the cache opens (for the DataModule, in Lightning's `setup`, in each
+rank's process), so that its imports overlap what comes before the pool; making a DataModule or a
+config starts nothing. It never starts while a process re-runs its main script's top level, and a
+process forked from one whose server runs (a `ddp_fork` rank) does not use that server.
+`start_workers_early(wait=True)` returns once it has loaded its imports, and what it loaded is
+frozen out of the garbage collector's reach before it forks.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import subprocess
 import sys
 import time
@@ -53,13 +58,19 @@ ImageEditDataloaderConfig(cache_dir=sys.argv[1], num_workers=workers).open_datas
 print(servers_soon() if workers else servers())
 """
 
-DATAMODULE = """
-import sys
+MADE = """
+import os, sys
+from image_edit_data import ImageEditDataloaderConfig
 from image_edit_data.lightning import ImageEditDataModule
 
-ImageEditDataModule(cache_dir=sys.argv[1], num_workers=0)
-print(servers())
-ImageEditDataModule(cache_dir=sys.argv[1], num_workers=2)
+def started() -> tuple[int, int]:
+    return len(children()), len(os.listdir("/proc/self/task"))
+
+before = started()
+ImageEditDataloaderConfig(cache_dir=sys.argv[1], num_workers=2)
+data = ImageEditDataModule(cache_dir=sys.argv[1], num_workers=2)
+print(before == started())
+data.setup("fit")
 print(servers_soon())
 """
 
@@ -109,9 +120,52 @@ def test_opening_a_cache_with_workers_starts_the_fork_server_and_without_workers
 
 
 @pytest.mark.slow  # a fresh process imports Lightning, and its server too
-def test_a_datamodule_with_workers_starts_the_fork_server_when_it_is_made(tmp_path: Path) -> None:
+def test_making_a_datamodule_or_a_config_starts_no_process_or_thread_and_its_setup_starts_the_server(
+    tmp_path: Path,
+) -> None:
+    """Made at a script's top level, a DataModule is made again in every worker and spawned rank as it starts up,
+    and in the process that forks ranks: nothing may start there."""
     cache = tiny_cache(tmp_path / "cache", counts=(4,))
-    assert child_lines(DATAMODULE, str(cache))[-2:] == ["0", "1"]
+    assert child_lines(MADE, str(cache))[-2:] == ["True", "1"]
+
+
+def test_no_server_starts_while_a_process_runs_its_main_script_again(tmp_path: Path) -> None:
+    """What a fork-free worker (or spawned rank) does as it starts: multiprocessing refuses to start processes there."""
+    cache = tiny_cache(tmp_path / "cache", counts=(4,))
+    rerun = "from image_edit_data import ImageEditDataloaderConfig\n"
+    rerun += f"config = ImageEditDataloaderConfig(cache_dir={str(cache)!r}, num_workers=2)\n"
+    rerun += "config.start_workers_early(wait=True)\nconfig.open_dataset()\n"
+    code = f"exec(compile({rerun!r}, 'train.py', 'exec'), {{'__name__': '__mp_main__'}})\nprint(len(children()))"
+    assert child_lines(code)[-1] == "0"
+
+
+def choices_in_a_fork(queue: Any) -> None:
+    """Run in a forked child: what the default and an explicit fork server choose there."""
+    default = start.choose_start(None)
+    try:
+        start.choose_start("forkserver")
+        explicit = "chosen"
+    except RuntimeError as error:
+        explicit = str(error)
+    queue.put((default, start.uses_server(None, 2), explicit))
+
+
+@pytest.mark.slow  # forks a process
+def test_a_process_forked_from_one_whose_server_runs_forks_its_workers_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `ddp_fork` or `ddp_notebook` rank after the notebook opened a cache: the server is not the rank's child."""
+    monkeypatch.setattr(start, "_server_owner", os.getpid())
+    context = multiprocessing.get_context("fork")
+    queue = context.SimpleQueue()
+    child = context.Process(target=choices_in_a_fork, args=(queue,))
+    child.start()
+    default, uses_server, explicit = queue.get()
+    child.join()
+    assert default == "fork" and not uses_server
+    assert f"this process was forked from process {os.getpid()}, which runs the loader workers' fork server" in explicit
+    assert "let the DataModule's setup do it" in explicit
+    assert start.choose_start(None) == "forkserver"  # the process that started it uses it
 
 
 def test_a_waited_for_server_has_loaded_and_frozen_torch_before_it_forks(tmp_path: Path) -> None:

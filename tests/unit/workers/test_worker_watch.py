@@ -99,6 +99,26 @@ def test_the_loader_runs_again_after_a_timeout_with_a_new_pool_and_watch_table(c
     built.dataloader.close()
 
 
+def test_a_loaders_timeout_ends_its_own_workers_and_a_loader_started_after_it_goes_on(cache_dir: Path) -> None:
+    """A validation loader's persistent workers, say, started after the training loader's pool, outlive its timeout."""
+    stuck = config(cache_dir).build_for(
+        dataset=StuckInBatch(str(cache_dir), worker=1, step=1), dp_rank=0, dp_world_size=1, batch_size=2
+    )
+    other = config(cache_dir).build_for(dataset=None, dp_rank=0, dp_world_size=1, batch_size=2)
+    stuck_batches, other_batches = iter(stuck.dataloader), iter(other.dataloader)
+    with SeenWorkers() as stuck_workers:
+        next(stuck_batches)
+    with SeenWorkers() as other_workers:
+        first = next(other_batches)  # this pool starts after the stuck loader's
+    with pytest.raises(LoaderWorkerTimeoutError, match="worker 1 of 2 has been loading batch 1 of epoch 0"):
+        next(stuck_batches)
+    assert stuck_workers.still_running() == []
+    assert len(other_workers.seen) == 2 and other_workers.still_running() == sorted(other_workers.seen)
+    rest = [batch["metadata"]["position"][1] for batch in other_batches]
+    assert [first["metadata"]["position"][1], *rest] == list(range(len(other.sampler)))
+    other.dataloader.close()
+
+
 def test_a_worker_error_that_mentions_a_timeout_is_that_error_not_a_worker_timeout(cache_dir: Path) -> None:
     dataset = ReadTimesOut(str(cache_dir), step=1)
     built = config(cache_dir).build_for(dataset=dataset, dp_rank=0, dp_world_size=1, batch_size=2)

@@ -245,7 +245,7 @@ def execute(
             world_size=world_size,
             merge_only=merge_only,
             on_progress=on_progress,
-            log=lambda message: console.print(f"[dim]{message}[/dim]"),
+            log=lambda message: console.print(message, style="dim"),
             **engine,
         )
     print_summary(console, report)
@@ -270,8 +270,9 @@ def print_summary(console: Console, report: BuildReport) -> None:
         )
     if report.truncated:
         console.print(
-            f"[yellow]{who}{report.truncated} of the {report.written} prompts were cut by a length limit "
-            f"(warned above; recorded in each payload's metadata.prompt_truncation)[/yellow]"
+            f"{who}{report.truncated} of the {report.written} prompts were cut by a length limit "
+            f"(warned above; recorded in each payload's metadata.prompt_truncation)",
+            style="yellow",
         )
     merged = report.merged
     if merged is None:
@@ -285,6 +286,6 @@ def print_summary(console: Console, report: BuildReport) -> None:
     if merged.skipped:
         reasons = ", ".join(f"{kind} x{n}" for kind, n in sorted(merged.skipped_by_reason.items()))
         console.print(
-            f"[yellow]{merged.skipped} bad samples skipped ({reasons}); listed under skipped_samples in "
-            f"metadata.json[/yellow]"
+            f"{merged.skipped} bad samples skipped ({reasons}); listed under skipped_samples in metadata.json",
+            style="yellow",
         )

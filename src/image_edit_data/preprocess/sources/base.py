@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from PIL import Image, ImageOps
 
+from ...errors import message_parts
 from .records import RawEditSample
 
 # Kinds of bad input, used to count skipped samples by reason.
@@ -37,17 +38,22 @@ MISALIGNED_IMAGE = "misaligned image"
 
 
 class BadSampleError(ValueError):
-    """One raw example cannot be used; says where it is (`location`), what kind of problem and why."""
+    """One raw example cannot be used; says where it is (`location`), what kind of problem and why.
 
-    def __init__(self, location: str, kind: str, problem: str) -> None:
-        super().__init__(f"{location}: {problem}")
+    Made from its parts, or from one message (`"location: problem"`, the kind then unknown), as
+    every error type of the package can be (`errors.py`).
+    """
+
+    def __init__(self, location: str, kind: str | None = None, problem: str | None = None) -> None:
+        if kind is None and problem is None:
+            message = location
+            location, problem = message_parts(message, type(self), 2)
+        else:
+            message = f"{location}: {problem}"
+        super().__init__(message)
         self.location = location
-        self.kind = kind
-        self.problem = problem
-
-    def __reduce__(self) -> tuple[type[BadSampleError], tuple[str, str, str], dict[str, Any]]:
-        # From its parts, so it crosses a process boundary (the joined message alone would not rebuild it).
-        return type(self), (self.location, self.kind, self.problem), self.__dict__
+        self.kind = kind or ""
+        self.problem = problem or ""
 
 
 @dataclass(frozen=True)

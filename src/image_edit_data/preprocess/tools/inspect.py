@@ -14,6 +14,7 @@ from ...contract.signature import Signature
 from ...index.index import UNKNOWN, CacheIndex
 from ...index.packed import CHECKSUM
 from ...storage.location import CacheLocation
+from ..console import labelled
 from ..run.writer import token_count
 
 
@@ -133,20 +134,18 @@ def inspect_main(args: Namespace, console: Console) -> int:
     try:
         index, _ = CacheLocation.of(args.cache_dir, storage_options=args.storage_options).open(use_store=False)
     except (ValueError, OSError) as error:
-        console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
+        console.print(labelled("index unreadable:", "red", error))
         return 2
     patch_size = args.patch_size or patch_size_of(index)
     rows = bucket_rows(index, patch_size)
     console.print(render_table(index, rows, patch_size))
     note = kinds_note(index)
     if note is not None:
-        console.print(note, highlight=False, markup=False)
+        console.print(note)
     if index.packed:  # the packed layout (index/packed.py): how the samples are stored
         total = sum(s.nbytes for s in index.shards)
         checksums = CHECKSUM if index.member_checksum is not None else "none (packed before them)"
-        console.print(
-            f"packed: {len(index.shards)} tar shard(s), {total} bytes, member checksums: {checksums}", highlight=False
-        )
+        console.print(f"packed: {len(index.shards)} tar shard(s), {total} bytes, member checksums: {checksums}")
     if args.histogram:
         write_histogram(index, rows, Path(args.histogram))
         console.print(f"histogram written to {args.histogram}")

@@ -15,11 +15,13 @@ from typing import Any
 import torch
 from jsonargparse import Namespace
 from rich.console import Console
+from rich.text import Text
 
 from ...contract.validate import CacheFormatError
 from ...dataset import ImageEditDataset
 from ...index.index import CacheIndex
 from ...index.packed import CHECKSUM
+from ..console import labelled
 from .inspect import kinds_note
 
 
@@ -92,7 +94,7 @@ def validate_main(args: Namespace, console: Console) -> int:
     try:
         dataset = ImageEditDataset(args.cache_dir, storage_options=args.storage_options)
     except (ValueError, OSError) as error:
-        console.print(f"[red]index unreadable:[/red] {error}", highlight=False)
+        console.print(labelled("index unreadable:", "red", error))
         return 2
     problems = check_cache(dataset, args.check_finite, args.workers)
     if dataset.index.packed:  # packed layout: sizes, hashes and tar headers too
@@ -101,20 +103,19 @@ def validate_main(args: Namespace, console: Console) -> int:
         problems += [Problem(-1, p.file, p.field, p.reason) for p in check_shards(dataset.reader)]
     note = checksum_note(dataset.index)
     if note is not None:
-        console.print(note, highlight=False, markup=False)
+        console.print(note)
     if not problems:
         finite = ", all values finite" if args.check_finite else ""
         kinds = kinds_note(dataset.index)  # masks are checked whatever the options: the contract reads their values
         also = "" if kinds is None else f" ({kinds})"
-        console.print(
-            f"[green]ok:[/green] {len(dataset)} samples in {dataset.index.root} load and validate{finite}{also}",
-            highlight=False,
-        )
+        sound = f"{len(dataset)} samples in {dataset.index.root} load and validate{finite}{also}"
+        console.print(labelled("ok:", "green", sound))
         return 0
     bad = len({p.index for p in problems if p.index >= 0})
     shards = sum(p.index < 0 for p in problems)
     also = f" and {shards} shard problem(s)" if shards else ""
-    console.print(f"[red]{bad} of {len(dataset)} samples are bad[/red]{also} in {dataset.index.root}:", highlight=False)
+    bad_samples = f"{bad} of {len(dataset)} samples are bad"
+    console.print(Text.assemble((bad_samples, "red"), f"{also} in {dataset.index.root}:"))
     for problem in problems:
-        console.print(f"{problem.file}: {problem.field}: {problem.reason}", highlight=False, markup=False)
+        console.print(f"{problem.file}: {problem.field}: {problem.reason}")
     return 1
