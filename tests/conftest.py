@@ -51,28 +51,37 @@ def s3() -> Iterator[dict[str, Any]]:
         yield options
 
 
-# The longest test files, longest first (seconds summed over their tests on a 2-core VM, 2026-12-05).
-# Two workers take a file at a time in this order; longest first keeps one long file from ending
-# the run alone while the other worker idles. A file missing here only loses its place in the queue.
+# The longest test files, longest first (seconds summed over their tests in one run of the suite on a 2-core VM with
+# four pytest workers, 2026-12-06). Two workers take a file at a time in this order; longest first keeps one long
+# file from ending the run alone while the other worker idles. A file missing here only loses its place in the queue.
 LONGEST_FILES = [
-    "integration/fit/test_diffusers_edit.py",  # 70
-    "integration/resume/test_resume_fuzz.py",  # 57
-    "integration/resume/test_loader_resume.py",  # 48
-    "integration/remote/test_remote_cache.py",  # 46
-    "unit/workers/test_worker_watch.py",  # 45
-    "unit/bench/test_bench.py",  # 45
-    "integration/fit/test_mixture_fit.py",  # 43
-    "unit/entry/test_cli.py",  # 42
-    "integration/remote/test_remote_faults.py",  # 36
-    "integration/fit/test_lora.py",  # 33
-    "unit/workers/test_start_forms.py",  # 30
-    "benchmarks/test_versus_litdata.py",  # 29
-    "unit/preprocess/test_pipeline_encoders.py",  # 28
-    "unit/lightning/test_loader_lifecycle.py",  # 25
-    "benchmarks/test_stress.py",  # 23
-    "integration/resume/test_elastic_resume.py",  # 23
-    "integration/resume/test_datamodule_resume.py",  # 22
-    "unit/workers/test_server_start.py",  # 16
+    "integration/fit/test_strategies.py",  # 131
+    "project/test_wheel.py",  # 115
+    "integration/resume/test_loader_resume.py",  # 101
+    "integration/fit/test_diffusers_edit.py",  # 89
+    "integration/remote/test_remote_cache.py",  # 85
+    "benchmarks/test_versus_litdata.py",  # 85
+    "integration/remote/test_remote_faults.py",  # 70
+    "integration/resume/test_resume_fuzz.py",  # 67
+    "unit/workers/test_worker_watch.py",  # 65
+    "unit/lightning/test_loader_lifecycle.py",  # 60
+    "integration/preprocess/test_ray_build.py",  # 58
+    "unit/bench/test_bench.py",  # 57
+    "integration/fit/test_mixture_fit.py",  # 56
+    "docs/test_code_blocks.py",  # 56
+    "integration/preprocess/test_nemo_equivalence.py",  # 51
+    "integration/fit/test_lora.py",  # 49
+    "benchmarks/test_versus_nemo.py",  # 41
+    "unit/workers/test_start_forms.py",  # 41
+    "unit/preprocess/test_pipeline_encoders.py",  # 40
+    "unit/entry/test_cli.py",  # 37
+    "unit/workers/test_server_start.py",  # 29
+    "integration/resume/test_datamodule_resume.py",  # 25
+    "project/test_public_api.py",  # 22
+    "integration/preprocess/test_cache_cli.py",  # 21
+    "project/test_import_side_effects.py",  # 19
+    "integration/resume/test_elastic_resume.py",  # 18
+    "benchmarks/test_stress.py",  # 17
 ]
 
 
