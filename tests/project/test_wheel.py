@@ -92,20 +92,23 @@ def test_the_checkouts_quickstart_config_is_the_one_the_package_ships() -> None:
 
 
 @pytest.mark.slow
-def test_the_wheel_alone_in_a_fresh_venv_runs_the_quickstart_from_an_empty_directory(
+def test_the_wheel_alone_in_a_fresh_venv_runs_the_quickstart_from_an_empty_directory_and_resumes_it(
     wheel: Path, tmp_path: Path
 ) -> None:
     """A real venv and real processes: the wheel must work where neither the checkout nor our venv can be imported.
 
     Its dependencies come from requirements/dev.lock as constraints (pip takes them from its cache, torch from the
-    CPU wheel on disk), as a user's `pip install` would resolve them, at the lock's versions.
+    CPU wheel on disk), as a user's `pip install` would resolve them, at the lock's versions. The quickstart runs
+    as the README's main job does (smaller): it writes its demo caches, trains until the loss clearly falls,
+    checkpoints, and a second run resumes from that checkpoint.
     """
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env |= {"PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
-    install = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", wheel]
+    # --no-compile: byte-compiling every module of torch and the rest costs more than the imports the run makes.
+    install = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile", wheel]
     installed = subprocess.run(
         [*map(str, install), "-c", str(ROOT / "requirements" / "dev.lock")],
         capture_output=True, text=True, timeout=600, env=env,
@@ -119,13 +122,30 @@ def test_the_wheel_alone_in_a_fresh_venv_runs_the_quickstart_from_an_empty_direc
         capture_output=True, text=True, cwd=empty, env=env, check=True, timeout=120,
     )  # fmt: skip
     assert Path(where.stdout.strip()).is_relative_to(venv), where.stdout
+    small = [
+        "--data.demo_samples", "192", "--data.batch_size", "8",
+        "--model.init_args.hidden_dim", "64", "--model.init_args.depth", "2", "--model.init_args.warmup_steps", "5",
+    ]  # fmt: skip
     run = subprocess.run(
-        ["image-edit-data", "quickstart", "--trainer.max_steps", "4", "--data.demo_samples", "96"],
+        ["image-edit-data", "quickstart", *small, "--trainer.max_epochs", "1"],
         capture_output=True, text=True, cwd=empty, env=env, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "train/loss: first" in run.stdout + run.stderr
     assert (empty / "data" / "demo-train" / "metadata.json").is_file()
-    checkpoint = torch.load(empty / "runs/quickstart/checkpoints/last.ckpt", map_location="cpu", weights_only=True)
-    assert checkpoint["global_step"] == 4
+    assert (empty / "data" / "demo-val" / "metadata.json").is_file()
+    report = re.search(r"train/loss: first ([\d.]+), final ([\d.]+)", run.stdout + run.stderr)
+    assert report is not None, "the run reports its first and final loss"
+    assert float(report[2]) < 0.8 * float(report[1]), f"the loss falls clearly: {report[0]}"
+    last = empty / "runs" / "quickstart" / "checkpoints" / "last.ckpt"
+    first_steps = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
+    assert first_steps > 0
+    resumed = subprocess.run(
+        ["image-edit-data", "quickstart", *small, "--data.num_workers", "0", "--trainer.max_epochs", "2",
+         "--ckpt_path", "last"],
+        capture_output=True, text=True, cwd=empty, env=env, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Restoring states from the checkpoint" in resumed.stdout + resumed.stderr
+    checkpoint = torch.load(last, map_location="cpu", weights_only=True)
+    assert checkpoint["global_step"] == 2 * first_steps, "the second epoch ran after the first, from its checkpoint"
     assert checkpoint["state_dict"] and checkpoint["optimizer_states"]

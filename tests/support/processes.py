@@ -86,6 +86,8 @@ class SeenWorkers:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self._stop.set()
         self._thread.join()
+        # One last look: a pass over a tiny cache can start its pool and finish between two polls.
+        self.seen |= worker_processes() - self.before
 
     def still_running(self) -> list[int]:
         """The recorded workers that still run."""

@@ -4,9 +4,9 @@ Per rank, the batches trained before the kill followed by those trained after th
 an uninterrupted run's batches: nothing skipped, nothing repeated. One-process scenarios run inside
 the test process (the kill is an exception raised right after the checkpoint is written, which unwinds
 through Lightning like a crash), workers changing across the resume and gradient accumulation among
-them; one process with workers at an epoch boundary is a real process hard-killed with `os._exit`.
-Real DDP runs with workers, killed in three ways (after a checkpoint, while writing one, SIGKILL
-mid-step), are test_resume_fuzz.py's; a DDP mixture fit killed hard is test_mixture_fit.py's.
+them. Real processes killed for real are test_resume_fuzz.py's (DDP with workers, killed in three ways:
+after a checkpoint at an epoch's end, while writing one, SIGKILL mid-step), which covers the one-process
+hard kill this file once ran too; a DDP mixture fit killed hard is test_mixture_fit.py's.
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ import multiprocessing
 from pathlib import Path
 
 import pytest
-from support import SUPPORT
-from support.fits import FitOptions, Records, SimulatedKill, fit, planned, records, run
+from support.fits import FitOptions, Records, SimulatedKill, fit, planned, records
 
 from image_edit_data import ResumeMismatchError
-
-HARNESS = SUPPORT / "fits.py"
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +28,12 @@ def baseline_one_process(cache: Path, tmp_path_factory: pytest.TempPathFactory) 
     return records(out, 1)
 
 
-@pytest.fixture(scope="module")
-def baseline_ddp(cache: Path) -> Records:
-    """What an uninterrupted 3-epoch 2-process run trains on: each rank's planned batches, epoch by epoch."""
-    plans = [planned(cache, 2, epoch) for epoch in range(3)]
-    return [[(epoch, ids) for epoch in range(3) for ids in plans[epoch][rank]] for rank in range(2)]
-
-
 IN_PROCESS = [
     # workers before the kill, workers after the resume, accumulate, kill at optimizer step
     pytest.param(0, 0, 1, 4, id="nw0-epoch1-mid"),
     pytest.param(0, 0, 1, 19, id="nw0-epoch2-mid"),
     pytest.param(0, 0, 1, 15, id="nw0-epoch-boundary"),
+    pytest.param(2, 2, 1, 30, id="nw2-epoch-boundary"),
     pytest.param(2, 2, 1, 19, id="nw2-epoch2-mid"),
     pytest.param(0, 0, 2, 10, id="nw0-accumulate2"),
     pytest.param(2, 0, 1, 6, id="workers-2-to-0"),
@@ -67,39 +58,6 @@ def test_a_run_resumed_after_a_crash_trains_on_the_same_batches_as_an_uninterrup
     ckpt = tmp_path / "ckpt" / f"step={kill_at}.ckpt"
     fit(options | {"num_workers": resume_workers, "ckpt": str(ckpt)})
     assert records(tmp_path, 1) == baseline_one_process, f"diverged after resuming at step {kill_at}"
-
-
-HARD_KILLED = [
-    # devices, workers before kill, workers after resume, accumulate, kill at optimizer step
-    pytest.param(1, 2, 2, 1, 30, id="1proc-nw2-epoch-boundary"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("devices", "workers", "resume_workers", "accumulate", "kill_at"), HARD_KILLED)
-def test_a_hard_killed_and_resumed_run_trains_on_the_same_batches_as_an_uninterrupted_one(
-    cache: Path,
-    baseline_one_process: Records,
-    request: pytest.FixtureRequest,
-    tmp_path: Path,
-    devices: int,
-    workers: int,
-    resume_workers: int,
-    accumulate: int,
-    kill_at: int,
-) -> None:
-    baseline = baseline_one_process if devices == 1 else request.getfixturevalue("baseline_ddp")
-    common = ["--devices", str(devices), "--accumulate", str(accumulate)]
-    killed = run(cache, tmp_path, *common, "--num-workers", str(workers), "--kill-at-step", str(kill_at))
-    assert killed.returncode == 17, killed.stderr[-3000:]
-    before = records(tmp_path, devices)
-    assert all(0 < len(b) < len(full) for b, full in zip(before, baseline)), "killed mid-run"
-    ckpt = tmp_path / "ckpt" / f"step={kill_at}.ckpt"
-    resumed = run(cache, tmp_path, *common, "--num-workers", str(resume_workers), "--ckpt", str(ckpt))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = records(tmp_path, devices)
-    for rank in range(devices):
-        assert after[rank] == baseline[rank], f"rank {rank} diverged after resuming at step {kill_at}"
 
 
 def test_an_uninterrupted_run_trains_on_the_planned_batches(cache: Path, baseline_one_process: Records) -> None:

@@ -53,23 +53,3 @@ def test_every_shipped_config_parses_against_the_real_cli(
     assert exited.value.code in (0, None), capsys.readouterr().err[-2000:]
     model_class = yaml.safe_load(config.read_text())["model"]["class_path"]
     assert f"class_path: {model_class}" in capsys.readouterr().out
-
-
-@pytest.mark.slow
-def test_quickstart_builds_its_cache_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
-    small = [
-        "--data.demo_samples", "192", "--data.batch_size", "8", "--data.num_workers", "0",
-        "--model.init_args.hidden_dim", "64", "--model.init_args.depth", "2", "--model.init_args.warmup_steps", "5",
-        "--trainer.max_epochs", "1",
-    ]  # fmt: skip
-    first = cli("quickstart", *small, cwd=tmp_path)  # the config shipped in the package
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert (tmp_path / "data/demo-train/metadata.json").exists()
-    assert (tmp_path / "data/demo-val/metadata.json").exists()
-    assert (tmp_path / "runs/quickstart/checkpoints/last.ckpt").exists()
-    report = re.search(r"train/loss: first ([\d.]+), final ([\d.]+)", first.stdout + first.stderr)
-    assert report is not None, "the run reports its first and final loss"
-    assert float(report[2]) < 0.8 * float(report[1]), f"the loss falls clearly: {report[0]}"
-    resumed = cli("quickstart", *small[:-1], "2", "--ckpt_path", "last", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Restoring states from the checkpoint" in resumed.stdout + resumed.stderr
