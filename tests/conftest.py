@@ -80,7 +80,6 @@ LONGEST_FILES = [
     "project/test_public_api.py",  # 22
     "integration/preprocess/test_cache_cli.py",  # 21
     "project/test_import_side_effects.py",  # 19
-    "integration/resume/test_elastic_resume.py",  # 18
     "benchmarks/test_stress.py",  # 17
 ]
 

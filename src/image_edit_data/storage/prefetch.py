@@ -3,8 +3,8 @@
 The sampler calls the prefetcher each time it hands out a batch (in the training process, where
 the plan lives). The prefetcher pins the shards of every rank's batches from `behind` steps before
 that one (handed out, maybe not yet loaded by a worker) to `ahead` steps after it, plus as many
-further shards in plan order as the budget holds, then downloads the missing ones in plan order on
-background threads. Pinned shards are never evicted, by this
+further shards in plan order as the budget holds, then downloads the missing ones of the first shards
+the budget holds, in plan order, on background threads. Pinned shards are never evicted, by this
 process or another on the node; a shard that does not fit yet is read by ranged requests instead.
 
 Working that out scans the plan and stats the cache, which costs more than reading a warm batch,
@@ -95,7 +95,9 @@ class ShardPrefetcher:
                 if error is not None and not isinstance(error, DownloadStopped):
                     self.errors.append(error)
                     log.warning("prefetching a shard failed (readers use ranged requests instead): %s", error)
-        for number in needed:
+        # Only the first shards the budget holds: downloads run side by side, and one further down the plan
+        # must not take the room of a shard the plan reads first.
+        for number in needed[: self.slots]:
             if number not in self._pending and not self.cache.local_path(number).exists():
                 self._pending[number] = self._pool.submit(self.cache.fetch, number, self._stop)
         self._covered = (plan, local, local + self.stride)

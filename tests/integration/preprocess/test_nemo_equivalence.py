@@ -111,6 +111,7 @@ def assert_same_tensors(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
     assert torch.equal(mine["prompt_attention_mask"], theirs["prompt_attention_mask"])
 
 
+@pytest.mark.slow  # builds the cache twice, once with NeMo's preprocessor
 def test_a_float32_build_equals_nemos_preprocessor_exactly(tmp_path: Path, qwen_path: Path) -> None:
     # NeMo VAE-encodes one image at a time; with --batch-size 1 so do we, and every tensor is bit-identical.
     ours, nemo = both_caches(tmp_path, qwen_path, "float32", batch_size=1)
@@ -132,6 +133,7 @@ def test_a_float32_build_equals_nemos_preprocessor_exactly(tmp_path: Path, qwen_
         assert torch.equal(mine["prompt_attention_mask"], theirs["prompt_attention_mask"])
 
 
+@pytest.mark.slow  # builds the cache twice, once with NeMo's preprocessor
 def test_a_bfloat16_build_equals_nemos_preprocessor_within_bfloat16_rounding(tmp_path: Path, qwen_path: Path) -> None:
     ours, nemo = both_caches(tmp_path, qwen_path, "bfloat16", batch_size=4)
     for mine, theirs in payloads(ours, nemo):
@@ -185,6 +187,7 @@ def filtered_export(tmp_path_factory: pytest.TempPathFactory, qwen_path: Path) -
     return manifest, ours, nemo_cache(root / "nemo", manifest, qwen_path, "float32")
 
 
+@pytest.mark.slow  # builds the cache twice, once with NeMo's preprocessor
 def test_a_filtered_export_is_named_and_ordered_by_its_row_index_as_nemos_preprocessor_does(
     filtered_export: tuple[Path, Path, Path],
 ) -> None:

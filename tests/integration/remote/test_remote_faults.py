@@ -82,6 +82,7 @@ def timed_failure(read: Callable[[], object]) -> tuple[float, RemoteError]:
     return time.monotonic() - started, raised.value
 
 
+@pytest.mark.slow  # waits out a (short) deadline
 def test_opening_a_cache_on_a_silent_endpoint_fails_within_the_bound_naming_endpoint_and_object(
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
@@ -112,6 +113,7 @@ def in_range_mode(
     return elapsed, error, max(dataset.index.member(i)[2] for i in batch)
 
 
+@pytest.mark.slow  # waits out a (short) deadline
 def test_a_read_from_an_endpoint_silent_before_its_answer_ends_after_the_deadline_and_a_try_within_the_bound(
     s3: dict[str, Any], packed_url: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:
@@ -123,6 +125,7 @@ def test_a_read_from_an_endpoint_silent_before_its_answer_ends_after_the_deadlin
     assert f"endpoint {proxy.endpoint}" in str(error) and "/shards/" in str(error)
 
 
+@pytest.mark.slow  # waits out a (short) deadline
 def test_a_read_whose_body_trickles_ends_after_its_transfer_allowance_within_the_bound(
     s3: dict[str, Any], packed_url: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:
@@ -137,6 +140,7 @@ def test_a_read_whose_body_trickles_ends_after_its_transfer_allowance_within_the
     assert f"endpoint {proxy.endpoint}" in str(error) and "TimeoutError" in str(error)
 
 
+@pytest.mark.slow  # waits out a (short) deadline
 def test_a_read_waiting_on_a_download_that_falls_silent_mid_body_ends_after_its_wait_within_the_bound(
     s3: dict[str, Any], packed_url: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:
@@ -178,6 +182,7 @@ def test_a_read_waiting_on_a_download_that_falls_silent_mid_body_ends_after_its_
     assert not list(cache.directory.glob(".*.tmp"))  # no partial file left
 
 
+@pytest.mark.slow  # waits out a (short) deadline
 def test_a_download_that_falls_silent_mid_body_ends_at_its_read_timeout_not_its_transfer_allowance(
     s3: dict[str, Any], packed_url: str, proxy: FaultProxy
 ) -> None:
@@ -310,6 +315,7 @@ def test_a_shard_damaged_in_flight_once_is_downloaded_again_and_one_damaged_twic
     assert cache.damaged.find(shard) is not None and not cache.fetch(4)  # condemned on the node, not fetched again
 
 
+@pytest.mark.slow  # waits out a (short) deadline
 def test_closing_a_prefetcher_returns_at_once_and_its_download_ends_on_its_own_leaving_no_file(
     s3: dict[str, Any], packed_url: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:

@@ -20,7 +20,8 @@ from image_edit_data import ImageEditDataloaderConfig
 from image_edit_data.workers import LoaderWorkerTimeoutError
 
 # Long enough that a healthy worker (and the fork server starting) always answers, even with the other
-# test worker running a DDP fit on the same 2 cores; each test waits it out about once.
+# test worker running a DDP fit on the same 2 cores; each test waits it out about once (claims that follow
+# one timeout share its test).
 TIMEOUT = 6.0
 SRC = ROOT / "src"
 
@@ -36,28 +37,52 @@ def config(cache_dir: Path) -> ImageEditDataloaderConfig:
     return ImageEditDataloaderConfig(cache_dir=str(cache_dir), num_workers=2, worker_timeout=TIMEOUT)
 
 
-def test_a_worker_stuck_in_a_batch_raises_naming_rank_worker_and_batch_and_leaves_no_worker(cache_dir: Path) -> None:
+def test_a_worker_stuck_in_a_batch_raises_naming_it_ends_only_its_own_pool_and_the_loader_runs_again(
+    cache_dir: Path,
+) -> None:
+    """One timeout waited out for what follows it: the error names rank, worker and batch, long before the stuck
+    worker would answer; the stuck loader's pool is gone while the workers of a loader started after it (a
+    validation loader's persistent workers, say) go on; the next pass starts a new pool at the first batch not
+    consumed."""
     cfg = config(cache_dir)
     dataset = StuckInBatch(str(cache_dir), worker=1, step=3)  # batches go to workers in turn: 1, 3, ... to worker 1
     built = cfg.build_for(dataset=dataset, dp_rank=1, dp_world_size=2, batch_size=2)
+    other = cfg.build_for(dataset=None, dp_rank=0, dp_world_size=1, batch_size=2)
+    stuck_batches, other_batches = iter(built.dataloader), iter(other.dataloader)
+    with SeenWorkers() as old:
+        got = [next(stuck_batches)["metadata"]["position"]]
+    with SeenWorkers() as other_workers:
+        first = next(other_batches)  # this pool starts after the stuck loader's
     started = time.monotonic()
-    got = []
-    with (
-        SeenWorkers() as workers,
-        pytest.raises(
-            LoaderWorkerTimeoutError,
-            match=rf"rank 1: a loader worker did not answer within worker_timeout={TIMEOUT:g} s: "
-            r"worker 1 of 2 has been loading batch 3 of epoch 0 for \d+ s",
-        ) as raised,
-    ):
-        for batch in built.dataloader:
+    with pytest.raises(
+        LoaderWorkerTimeoutError,
+        match=rf"rank 1: a loader worker did not answer within worker_timeout={TIMEOUT:g} s: "
+        r"worker 1 of 2 has been loading batch 3 of epoch 0 for \d+ s",
+    ) as raised:
+        for batch in stuck_batches:
             got.append(batch["metadata"]["position"])
     assert got == [[0, 0], [0, 1], [0, 2]]  # everything before the stuck batch arrived
     assert time.monotonic() - started < STUCK_SECONDS / 2  # the loader did not wait for the worker
     # Gone while the error is still held (by a supervisor's handler, say), the stuck worker too.
-    assert raised.value is not None and len(workers.seen) == 2 and workers.still_running() == []
+    assert raised.value is not None and len(old.seen) == 2 and old.still_running() == []
     # The position stays at the first batch not trained on, so a restarted run resumes exactly there.
     assert built.sampler.state_dict()["consumed"] == 3
+
+    assert len(other_workers.seen) == 2 and other_workers.still_running() == sorted(other_workers.seen)
+    rest = [batch["metadata"]["position"][1] for batch in other_batches]
+    assert [first["metadata"]["position"][1], *rest] == list(range(len(other.sampler)))
+    other.dataloader.close()
+
+    old_table = built.dataloader.watch.table
+    dataset.stuck_step = -1
+    built.sampler.set_epoch(0)
+    with SeenWorkers() as new:
+        rest = [batch["metadata"]["position"][1] for batch in built.dataloader]
+    assert rest == list(range(3, len(built.sampler)))
+    assert len(new.seen) == 2 and not new.seen & old.seen
+    # A worker of the old pool writes only to its own table, never into the new pool's.
+    assert built.dataloader.watch.table.data_ptr() != old_table.data_ptr()
+    built.dataloader.close()
 
 
 def test_workers_stuck_at_start_up_raise_naming_each_one_and_are_gone(cache_dir: Path) -> None:
@@ -75,48 +100,6 @@ def test_workers_stuck_at_start_up_raise_naming_each_one_and_are_gone(cache_dir:
         next(iter(built.dataloader))
     assert time.monotonic() - started < STUCK_SECONDS / 2
     assert raised.value is not None and len(workers.seen) == 2 and workers.still_running() == []
-
-
-def test_the_loader_runs_again_after_a_timeout_with_a_new_pool_and_watch_table(cache_dir: Path) -> None:
-    """The stuck pool is shut down; the next pass starts a new one at the first batch not consumed."""
-    dataset = StuckInBatch(str(cache_dir), worker=0, step=2)
-    built = config(cache_dir).build_for(dataset=dataset, dp_rank=0, dp_world_size=1, batch_size=2)
-    with (
-        SeenWorkers() as old,
-        pytest.raises(LoaderWorkerTimeoutError, match="worker 0 of 2 has been loading batch 2") as raised,
-    ):
-        list(built.dataloader)
-    assert raised.value is not None and len(old.seen) == 2 and old.still_running() == []
-    old_table = built.dataloader.watch.table
-    dataset.stuck_step = -1
-    built.sampler.set_epoch(0)
-    with SeenWorkers() as new:
-        rest = [batch["metadata"]["position"][1] for batch in built.dataloader]
-    assert rest == list(range(2, len(built.sampler)))
-    assert len(new.seen) == 2 and not new.seen & old.seen
-    # A worker of the old pool writes only to its own table, never into the new pool's.
-    assert built.dataloader.watch.table.data_ptr() != old_table.data_ptr()
-    built.dataloader.close()
-
-
-def test_a_loaders_timeout_ends_its_own_workers_and_a_loader_started_after_it_goes_on(cache_dir: Path) -> None:
-    """A validation loader's persistent workers, say, started after the training loader's pool, outlive its timeout."""
-    stuck = config(cache_dir).build_for(
-        dataset=StuckInBatch(str(cache_dir), worker=1, step=1), dp_rank=0, dp_world_size=1, batch_size=2
-    )
-    other = config(cache_dir).build_for(dataset=None, dp_rank=0, dp_world_size=1, batch_size=2)
-    stuck_batches, other_batches = iter(stuck.dataloader), iter(other.dataloader)
-    with SeenWorkers() as stuck_workers:
-        next(stuck_batches)
-    with SeenWorkers() as other_workers:
-        first = next(other_batches)  # this pool starts after the stuck loader's
-    with pytest.raises(LoaderWorkerTimeoutError, match="worker 1 of 2 has been loading batch 1 of epoch 0"):
-        next(stuck_batches)
-    assert stuck_workers.still_running() == []
-    assert len(other_workers.seen) == 2 and other_workers.still_running() == sorted(other_workers.seen)
-    rest = [batch["metadata"]["position"][1] for batch in other_batches]
-    assert [first["metadata"]["position"][1], *rest] == list(range(len(other.sampler)))
-    other.dataloader.close()
 
 
 def test_a_worker_error_that_mentions_a_timeout_is_that_error_not_a_worker_timeout(cache_dir: Path) -> None:
