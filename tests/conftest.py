@@ -84,6 +84,13 @@ LONGEST_FILES = [
 ]
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test that starts the local S3 server (moto, in a process of its own) is slow-tier, like every test that
+    starts processes: the edit loop stays under 90 s."""
+    if "s3" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.slow)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the longest files first, then the other files holding slow tests, then the rest: with two
     workers taking a file at a time, the long multi-process runs overlap the many short tests instead

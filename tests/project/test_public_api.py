@@ -94,6 +94,7 @@ def test_configs_name_no_moved_path() -> None:
             assert new_path(path.rpartition(".")[0]) is None, f"{config.name}: {path} has moved"
 
 
+@pytest.mark.slow  # a fresh interpreter imports every moved path
 def test_every_moved_path_imports_the_module_at_its_new_place_with_a_future_warning() -> None:
     code = textwrap.dedent(
         """

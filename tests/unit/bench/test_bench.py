@@ -117,6 +117,7 @@ def test_bench_reports_every_number_for_ours_naive_and_bare_loop(tmp_path: Path,
             assert worker["uss_growth_bytes"] == worker["uss_end_bytes"] - worker["uss_start_bytes"]
 
 
+@pytest.mark.slow  # bench runs open the index in fresh processes
 def test_bench_measures_an_existing_safetensors_cache_without_json(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -146,6 +147,7 @@ def test_cpu_time_is_read_from_a_live_process_that_is_not_this_ones_reaped_child
     assert cpu_seconds([child.pid])[1] is None  # gone: unknown, never a made-up number
 
 
+@pytest.mark.slow  # bench runs open the index in fresh processes
 def test_bench_reads_a_packed_cache_checked_and_unchecked_and_refuses_what_reads_files(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -165,6 +167,7 @@ def test_bench_reads_a_packed_cache_checked_and_unchecked_and_refuses_what_reads
     assert "a packed cache, which --compare-naive cannot read (one file per sample)" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # bench runs open the index in fresh processes
 def test_bench_on_a_relative_path_measures_the_cache_its_children_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -113,6 +113,7 @@ def child_lines(code: str, *args: str, path: Path | None = None) -> list[str]:
     return result.stdout.strip().splitlines()
 
 
+@pytest.mark.slow  # fresh processes start a server
 def test_opening_a_cache_with_workers_starts_the_fork_server_and_without_workers_does_not(tmp_path: Path) -> None:
     cache = tiny_cache(tmp_path / "cache", counts=(4,))
     assert child_lines(OPEN, str(cache), "2")[-1] == "1"
@@ -168,6 +169,7 @@ def test_a_process_forked_from_one_whose_server_runs_forks_its_workers_and_says_
     assert start.choose_start(None) == "forkserver"  # the process that started it uses it
 
 
+@pytest.mark.slow  # starts a server process
 def test_a_waited_for_server_has_loaded_and_frozen_torch_before_it_forks(tmp_path: Path) -> None:
     cache = tiny_cache(tmp_path / "cache", counts=(4,))
     (tmp_path / "forked_report.py").write_text(REPORT)
