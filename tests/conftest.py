@@ -51,36 +51,37 @@ def s3() -> Iterator[dict[str, Any]]:
         yield options
 
 
-# The longest test files, longest first (seconds summed over their tests in one run of the suite on a 2-core VM with
-# four pytest workers, 2026-12-06). Two workers take a file at a time in this order; longest first keeps one long
-# file from ending the run alone while the other worker idles. A file missing here only loses its place in the queue.
+# The longest test files (seconds summed over their tests in one run of the suite on a 2-core VM with two pytest
+# workers, 2026-12-06), longest first, except that the files which mostly wait (deadlines, sleeping stand-in
+# encoders: marked "waits") alternate with those that keep both cores busy, so that one worker's wait is the other's
+# second core. Two workers take a file at a time in this order; longest first keeps one long file from ending the
+# run alone while the other worker idles. A file missing here only loses its place in the queue.
 LONGEST_FILES = [
-    "integration/fit/test_strategies.py",  # 131
-    "project/test_wheel.py",  # 115
-    "integration/resume/test_loader_resume.py",  # 101
-    "integration/fit/test_diffusers_edit.py",  # 89
-    "integration/remote/test_remote_cache.py",  # 85
-    "benchmarks/test_versus_litdata.py",  # 85
-    "integration/remote/test_remote_faults.py",  # 70
-    "integration/resume/test_resume_fuzz.py",  # 67
-    "unit/workers/test_worker_watch.py",  # 65
-    "unit/lightning/test_loader_lifecycle.py",  # 60
-    "integration/preprocess/test_ray_build.py",  # 58
-    "unit/bench/test_bench.py",  # 57
-    "integration/fit/test_mixture_fit.py",  # 56
-    "docs/test_code_blocks.py",  # 56
-    "integration/preprocess/test_nemo_equivalence.py",  # 51
-    "integration/fit/test_lora.py",  # 49
-    "benchmarks/test_versus_nemo.py",  # 41
-    "unit/workers/test_start_forms.py",  # 41
-    "unit/preprocess/test_pipeline_encoders.py",  # 40
-    "unit/entry/test_cli.py",  # 37
-    "unit/workers/test_server_start.py",  # 29
-    "integration/resume/test_datamodule_resume.py",  # 25
-    "project/test_public_api.py",  # 22
-    "integration/preprocess/test_cache_cli.py",  # 21
-    "project/test_import_side_effects.py",  # 19
-    "benchmarks/test_stress.py",  # 17
+    "integration/fit/test_strategies.py",  # 83
+    "integration/preprocess/test_ray_build.py",  # 52, waits
+    "integration/resume/test_resume_fuzz.py",  # 57
+    "integration/remote/test_remote_faults.py",  # 51, waits
+    "project/test_wheel.py",  # 45
+    "unit/workers/test_worker_watch.py",  # 37, waits
+    "integration/fit/test_diffusers_edit.py",  # 40
+    "docs/test_code_blocks.py",  # 36
+    "integration/remote/test_remote_cache.py",  # 36
+    "integration/fit/test_lora.py",  # 34
+    "integration/fit/test_mixture_fit.py",  # 30
+    "unit/preprocess/test_pipeline_encoders.py",  # 27
+    "integration/resume/test_loader_resume.py",  # 26
+    "unit/bench/test_bench.py",  # 22
+    "unit/workers/test_start_forms.py",  # 22
+    "benchmarks/test_versus_litdata.py",  # 19
+    "unit/workers/test_server_start.py",  # 17
+    "integration/preprocess/test_nemo_equivalence.py",  # 17
+    "benchmarks/test_stress.py",  # 16
+    "benchmarks/test_versus_nemo.py",  # 13
+    "unit/lightning/test_loader_lifecycle.py",  # 11
+    "project/test_notebook.py",  # 10
+    "integration/preprocess/test_cache_cli.py",  # 9
+    "project/test_public_api.py",  # 7
+    "project/test_import_side_effects.py",  # 7
 ]
 
 

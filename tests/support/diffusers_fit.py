@@ -86,7 +86,9 @@ def strategy(name: str, devices: int) -> str | ModelParallelStrategy:
     return "ddp"
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], in_process: bool = False) -> None:
+    """Run the fit `argv` describes; `in_process` (one device): the kill raises SimulatedKill instead of exiting, and
+    the caller's torch thread count is restored after."""
     parser = argparse.ArgumentParser()
     parser.add_argument("cache")
     parser.add_argument("out")
@@ -100,14 +102,28 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-checkpoints", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train a rank-4 LoRA instead of every weight")
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float results in every run, and no oversubscription on small machines
+    try:
+        fit(args, in_process)
+    finally:
+        if in_process:
+            torch.set_num_threads(threads)
+
+
+def fit(args: argparse.Namespace, in_process: bool) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(0, verbose=False)
     model = tiny_module(args.arch, **({"lora": True, "lora_rank": 4, "learning_rate": 1e-2} if args.lora else {}))
     datamodule = ImageEditDataModule(cache_dir=args.cache, batch_size=args.batch_size, num_workers=0, seed=42)
     checkpoint = KillAfterCheckpoint(
-        kill_at_step=args.kill_at_step, dirpath=out / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1
+        kill_at_step=args.kill_at_step,
+        in_process=in_process,
+        dirpath=out / "ckpt",
+        filename="{step}",
+        every_n_train_steps=1,
+        save_top_k=-1,
     )
     trainer = pl.Trainer(
         accelerator="cpu",
