@@ -73,6 +73,7 @@ print(json.dumps({"modules": len(names), "changed": changed}))
 
 
 def test_importing_every_module_changes_no_global_state_of_the_importer(tmp_path: Path) -> None:
+    """A fresh interpreter: only one that has imported nothing of ours shows what an import changes."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src"), "HOME": str(tmp_path)}
     result = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", SNAPSHOT], capture_output=True, text=True, timeout=300, env=env

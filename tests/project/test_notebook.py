@@ -29,6 +29,7 @@ def stdout_of(cell: nbformat.NotebookNode) -> str:
 def test_explore_cache_notebook_runs_and_resumes_where_it_stopped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A real Jupyter kernel runs the shipped notebook as users run it."""
     if "python3" not in find_kernel_specs():
         from ipykernel.kernelspec import install
 

@@ -498,6 +498,8 @@ def test_a_killed_and_resumed_run_continues_the_data_stream_and_the_loss_curve_e
 
 @pytest.mark.slow
 def test_two_process_ddp_and_a_killed_and_resumed_fsdp2_run_train_alike(mixed_cache: Path, tmp_path: Path) -> None:
+    """Real processes: two ranks need them, and the FSDP2 run's kill is a real exit, whose sharded checkpoint the next
+    run must load."""
     common = ["--arch", "qwen", "--devices", "2", "--max-steps", "4"]
     ddp = harness(mixed_cache, tmp_path / "ddp", *common, "--strategy", "ddp", "--no-checkpoints")
     assert ddp.returncode == 0, ddp.stderr[-3000:]

@@ -256,6 +256,7 @@ def fsdp2() -> Any:
 def test_a_killed_lora_run_resumes_with_the_same_batches_and_bit_identical_losses(
     arch: str, strategy: str, tmp_path: Path, restored_environment: None
 ) -> None:
+    """In this process; the FSDP2 case is slow-tier (a one-rank process group and sharded checkpoints)."""
     cache = random_cache(tmp_path / "cache", arch, samples=6)  # 3 batches an epoch: the run crosses an epoch end
     make = fsdp2 if strategy == "fsdp2" else lambda: "auto"
     if strategy == "fsdp2":
@@ -283,6 +284,7 @@ def test_a_killed_lora_run_resumes_with_the_same_batches_and_bit_identical_losse
 
 @pytest.mark.slow
 def test_two_process_lora_under_ddp_and_fsdp2_trains_alike(tmp_path: Path) -> None:
+    """Real processes: two ranks need them (the adapter's gradients reduced, or its weights sharded, across ranks)."""
     cache = random_cache(tmp_path / "cache", "qwen", samples=8, channels=16)  # the tiny configs' 16 channels
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     common = ["--arch", "qwen", "--devices", "2", "--max-steps", "4", "--lora", "--no-checkpoints"]

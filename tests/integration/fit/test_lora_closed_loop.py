@@ -55,6 +55,7 @@ def one_edit_cache(root: Path, pipeline: Path) -> Path:
 def test_a_lora_trained_on_a_pipeline_built_cache_makes_the_pipeline_edit_towards_the_target(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Slow-tier for its length: a pipeline build, a fit long enough to learn one edit, and the pipeline's sampling."""
     import diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus as plus
 
     base = complete_pipeline("qwen", tmp_path / "base")

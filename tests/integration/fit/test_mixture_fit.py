@@ -194,6 +194,7 @@ def test_a_lightning_cli_fit_over_two_local_caches_and_a_masked_one_on_s3_resume
 def test_a_hard_killed_ddp_mixture_fit_resumes_to_the_same_stream_and_its_monitor_counts_all_ranks(
     caches: list[Path], tmp_path: Path
 ) -> None:
+    """Real processes: two ranks (the monitor reduces its counts across them) and a real kill."""
     common = ["--devices", "2", "--epochs", "2", "--sources", sources_json(caches)]
     killed = run(caches[0], tmp_path, *common, "--kill-at-step", "5")
     assert killed.returncode == 17, killed.stderr[-3000:]

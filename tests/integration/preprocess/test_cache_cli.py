@@ -54,6 +54,7 @@ def manifest(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_killed_build_rerun_with_the_same_command_equals_an_uninterrupted_one(tmp_path: Path, manifest: Path) -> None:
+    """A real process, killed mid-build: the journal and the payloads must survive a death no handler sees."""
     cache = tmp_path / "killed"
     args = build_args(manifest, cache, delay="0.05")
     process = subprocess.Popen(cli_command(*args), env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -80,6 +81,7 @@ def test_a_killed_build_rerun_with_the_same_command_equals_an_uninterrupted_one(
 
 @pytest.mark.slow
 def test_two_ranks_build_the_same_index_as_one(tmp_path: Path, manifest: Path) -> None:
+    """Real processes: two ranks, each with its journal, and rank 0's merge."""
     cache = tmp_path / "two"
     # One image per encoder call on both sides: the ranks see other sets of images than one process does, and a
     # matmul over another number of rows may take another BLAS kernel, whose last bits differ.

@@ -604,6 +604,7 @@ def read_in_a_process(url: str, s3: dict[str, Any], local: str, sample: int, res
 def test_a_shard_marked_damaged_by_one_process_is_not_read_by_another(
     s3: dict[str, Any], packed_url: str, tmp_path: Path
 ) -> None:
+    """Real processes: the mark must reach a reader in another process on the node."""
     url = old_format_copy(s3, packed_url, "old-damaged-processes")
     index, _ = CacheLocation.of(url, storage_options=s3, local_cache_dir=str(tmp_path / "probe")).open()
     victim = two_in_shard(index, 0)[1]

@@ -219,6 +219,7 @@ def describe_difference(want: list[list[int]], got: list[list[int]]) -> str:
 def test_a_ddp_fit_killed_at_random_steps_trains_on_exactly_the_batches_of_an_uninterrupted_one(
     tmp_path: Path,
 ) -> None:
+    """Real processes: two ranks with workers, killed in the three ways of the module docstring (one DDP start each)."""
     cache = tiny_cache(tmp_path / "cache", counts=(13, 11, 9))
     # An uninterrupted fit trains on the epoch plan (test_datamodule_resume.py checks one against it and
     # uses it as its DDP baseline too), so the plan stands in for that run here: one DDP start less.

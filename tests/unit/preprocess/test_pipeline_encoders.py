@@ -478,6 +478,7 @@ def journal_lines(cache: Path) -> int:
 
 @pytest.mark.slow
 def test_a_killed_pipeline_build_rerun_equals_an_uninterrupted_one(tmp_path: Path, qwen_path: Path) -> None:
+    """A real process, killed mid-build: the journal and the payloads must survive a death no handler sees."""
     manifest = edit_manifest(tmp_path / "raw", rows=12)
     cache = tmp_path / "killed"
     command = [sys.executable, str(CLI_SCRIPT), *pipeline_args(cache, manifest, qwen_path)]
@@ -499,6 +500,7 @@ def test_a_killed_pipeline_build_rerun_equals_an_uninterrupted_one(tmp_path: Pat
 
 @pytest.mark.slow
 def test_torchrun_with_two_ranks_builds_the_same_pipeline_cache_as_one_process(tmp_path: Path, qwen_path: Path) -> None:
+    """Real processes: torchrun's two ranks, as users launch a build."""
     manifest = edit_manifest(tmp_path / "raw", rows=8)
     cache = tmp_path / "two"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
