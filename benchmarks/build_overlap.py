@@ -52,6 +52,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--samples", type=int, default=192, help="Samples per build (a target and a context each).")
     parser.add_argument("--size", type=size_arg, default=(1216, 912), help="Raw image size, resized to 1 MP.")
     parser.add_argument("--image-format", default="jpeg", choices=["jpeg", "png", "webp"])
+    parser.add_argument("--payload-format", default="pt", choices=["pt", "safetensors"], help="pt: the shipped one.")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="8 is the shipped config's.")
     parser.add_argument("--modes", nargs="+", default=["serial", "overlapped"], choices=["serial", "overlapped"])
     parser.add_argument("--rounds", type=int, default=1, help="Builds per row; the median is printed.")
@@ -83,6 +84,7 @@ def one_build(args: argparse.Namespace, manifest: Path, batch_size: int, read_ah
     options = BuildOptions(
         resize=RESIZE,
         store_dtype="bfloat16",
+        payload_format=args.payload_format,
         batch_size=batch_size,
         num_workers=args.num_workers,
         **({} if read_ahead is None else {"read_ahead": read_ahead}),
@@ -108,7 +110,8 @@ def one_build(args: argparse.Namespace, manifest: Path, batch_size: int, read_ah
 def run_builds(args: argparse.Namespace) -> None:
     manifest = edit_manifest(args.data, args.samples, args.size, args.image_format)
     sys.stdout.write(
-        f"{args.samples} samples of 2 images {args.size[0]}x{args.size[1]} {args.image_format} -> 1 MP, bf16 payloads; "
+        f"{args.samples} samples of 2 images {args.size[0]}x{args.size[1]} {args.image_format} -> 1 MP, "
+        f"bf16 {args.payload_format} payloads; "
         f"VAE {args.vae_call_ms:g} + {args.vae_image_ms:g}/image ms, text {args.text_call_ms:g} + "
         f"{args.text_prompt_ms:g}/prompt ms; {args.num_workers} I/O threads, {os.cpu_count()} CPUs, "
         f"torch threads {torch.get_num_threads()}\n\n"

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ...payload.payload import PayloadFormat
 from ..encoders.base import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
 from ..sources.base import BadSampleError, EditSource, row_index_of
-from .encode import Prepared, encode_window, prepare
+from .encode import PixelFeed, Prepared, encode_window, prepare, window_images
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .overlap import ReadAhead, Stopwatch, WriteBehind
@@ -327,22 +327,36 @@ def _encode_slice(
 
     with (
         ThreadPoolExecutor(options.num_workers, thread_name_prefix="build-io") as pool,
-        ThreadPoolExecutor(1, thread_name_prefix="build-pixels") as feeder,
+        ThreadPoolExecutor(2, thread_name_prefix="build-pixels") as feeder,
     ):
         reader = ReadAhead(pool, windows, read, depth)
         # Two windows may wait for the disk while a third encodes; none when nothing overlaps.
         writer = WriteBehind(pool, backlog=2 if depth else 0)
         reported = 0
+
+        def pixel_feed(good: list[Prepared]) -> PixelFeed | None:
+            return PixelFeed(window_images(good), options.batch_size, feeder) if depth else None
+
         try:
+            upcoming: tuple[list[Prepared | BadSampleError], PixelFeed | None] | Exception | None = None
             for k, window in enumerate(windows):
-                loaded = reader.take(k)
+                if isinstance(upcoming, Exception):
+                    raise upcoming
+                loaded, feed = upcoming or (reader.take(k), None)
                 bad = [(item, p) for item, p in zip(loaded, window) if isinstance(item, BadSampleError)]
                 if bad and options.on_bad_sample == "stop":
                     raise bad[0][0]
                 good = [item for item in loaded if isinstance(item, Prepared)]
-                encoded = encode_window(
-                    good, image_encoder, text_encoder, options.batch_size, factor, feeder if depth else None, stopwatch
-                )
+                feed = feed or pixel_feed(good)
+                upcoming = None
+                if depth and k + 1 < len(windows):  # the next window's first pixels, made while this one encodes
+                    try:
+                        following = reader.take(k + 1)
+                    except Exception as error:  # raised in its turn, once this window is written
+                        upcoming = error
+                    else:
+                        upcoming = following, pixel_feed([item for item in following if isinstance(item, Prepared)])
+                encoded = encode_window(good, image_encoder, text_encoder, options.batch_size, factor, feed, stopwatch)
                 for sample in encoded:
                     if sample.prompt_truncations:
                         done.truncated += 1

@@ -84,28 +84,67 @@ def _name(encoder: Any) -> str:
     return f"{type(encoder).__module__}.{type(encoder).__qualname__}"
 
 
+def image_chunks(images: Sequence[Image.Image], batch_size: int) -> list[tuple[tuple[int, int], list[int]]]:
+    """Same-sized batches of `images`' indices: sizes sorted, then input order (the window's fixed batches)."""
+    slots: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, image in enumerate(images):
+        slots[image.size].append(i)
+    return [
+        (size, members[start : start + batch_size])
+        for size, members in sorted(slots.items())
+        for start in range(0, len(members), batch_size)
+    ]
+
+
+def window_images(prepared: Sequence[Prepared]) -> list[Image.Image]:
+    """The images a window encodes, in its order: each sample's target, then its contexts."""
+    return [image for p in prepared for image in (p.target, *p.contexts)]
+
+
+class PixelFeed:
+    """The pixel tensors of one window's batches, made on the feeder `ahead` batches before the encoder takes them.
+
+    Made for the next window while this one encodes, it has that window's first batches ready when the
+    encoder gets there, so the encoder never waits for a window's first pixels.
+    """
+
+    def __init__(self, images: Sequence[Image.Image], batch_size: int, feeder: Executor, ahead: int = 2) -> None:
+        self.chunks = image_chunks(images, batch_size)
+        self._batches = [[images[i] for i in chunk] for _, chunk in self.chunks]
+        self._feeder = feeder
+        self._ahead = ahead
+        self._futures: dict[int, Future[torch.Tensor]] = {}
+        self._next = 0  # the first batch not submitted yet
+        self._submit_through(ahead - 1)
+
+    def _submit_through(self, last: int) -> None:
+        while self._next <= min(last, len(self._batches) - 1):
+            self._futures[self._next] = self._feeder.submit(to_pixels, self._batches[self._next])
+            self._next += 1
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for number in range(len(self._batches)):
+            self._submit_through(number + self._ahead)
+            yield self._futures.pop(number).result()
+
+
 def encode_images(
     images: Sequence[Image.Image],
     encoder: ImageEncoder,
     batch_size: int,
     factor: int,
-    feeder: Executor | None = None,
+    feed: PixelFeed | None = None,
     stopwatch: Stopwatch | None = None,
 ) -> list[torch.Tensor]:
     """Latents `[C, h, w]` for each image (PIL), in input order.
 
-    With a `feeder`, each batch's pixel tensor is made there while the encoder works on the one before.
-    `stopwatch` times the encoder calls.
+    With a `feed` (made for these images and batch size), pixel tensors come from it, made on its feeder while
+    the encoder works; without one they are made here, one batch at a time. `stopwatch` times the encoder calls.
     """
-    slots: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i, image in enumerate(images):
-        slots[image.size].append(i)
-    chunks = [
-        (size, members[start : start + batch_size])
-        for size, members in sorted(slots.items())
-        for start in range(0, len(members), batch_size)
-    ]
-    pixels = _pixel_batches([[images[i] for i in chunk] for _, chunk in chunks], feeder)
+    chunks = image_chunks(images, batch_size)
+    if feed is not None and feed.chunks != chunks:
+        raise ValueError("the pixel feed was made for other images or another batch size")
+    pixels = iter(feed) if feed is not None else (to_pixels([images[i] for i in chunk]) for _, chunk in chunks)
     latents: list[torch.Tensor | None] = [None] * len(images)
     for ((width, height), chunk), batch in zip(chunks, pixels):
         with stopwatch or contextlib.nullcontext():
@@ -120,18 +159,6 @@ def encode_images(
         for k, i in enumerate(chunk):
             latents[i] = out[k].detach().cpu().clone()  # a copy, so saving it does not save the whole batch
     return [latent for latent in latents if latent is not None]
-
-
-def _pixel_batches(batches: list[list[Image.Image]], feeder: Executor | None) -> Iterator[torch.Tensor]:
-    """`to_pixels` of each batch in turn; with a `feeder`, the next batch is converted while this one is used."""
-    if feeder is None:
-        yield from (to_pixels(batch) for batch in batches)
-        return
-    upcoming: Future[torch.Tensor] | None = None
-    for number, batch in enumerate(batches):
-        current = upcoming or feeder.submit(to_pixels, batch)
-        upcoming = feeder.submit(to_pixels, batches[number + 1]) if number + 1 < len(batches) else None
-        yield current.result()
 
 
 def encode_prompts(
@@ -178,12 +205,12 @@ def encode_window(
     text_encoder: TextEncoder | PromptEncoder,
     batch_size: int,
     factor: int,
-    feeder: Executor | None = None,
+    feed: PixelFeed | None = None,
     stopwatch: Stopwatch | None = None,
 ) -> list[EncodedSample]:
     """Encode the images and prompts of `prepared`, keeping its order (see `encode_images` for the rest)."""
-    images = [image for p in prepared for image in (p.target, *p.contexts)]
-    latents = iter(encode_images(images, image_encoder, batch_size, factor, feeder, stopwatch))
+    images = window_images(prepared)
+    latents = iter(encode_images(images, image_encoder, batch_size, factor, feed, stopwatch))
     prompts = encode_prompts(
         [p.source.sample.prompt for p in prepared],
         text_encoder,

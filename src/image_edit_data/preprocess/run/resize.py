@@ -140,23 +140,19 @@ def floor_to_budget(width: float, height: float, step: int, budget: int) -> tupl
     return out_w, out_h
 
 
-def _pixel_values() -> np.ndarray:
-    """The float32 value of each byte 0..255 as the encoders take it: `x / 127.5 - 1` computed by torch in float32."""
-    return (torch.arange(256, dtype=torch.uint8).to(torch.float32) / 127.5 - 1.0).numpy()
-
-
-PIXEL_VALUES = _pixel_values()
-
-
 def to_pixels(images: list[Image.Image]) -> torch.Tensor:
     """Same-sized RGB images -> float32 `[B, 3, H, W]` in `[-1, 1]`, the encoders' input.
 
-    One table lookup per byte, on this thread: the values and the (channels-last) strides of
-    `torch.from_numpy(stacked).permute(0, 3, 1, 2).to(torch.float32) / 127.5 - 1.0`, in one pass
-    without torch's thread pool, whose threads would spin beside the build's readers.
+    The values and the (channels-last) strides of
+    `torch.from_numpy(stacked).permute(0, 3, 1, 2).to(torch.float32) / 127.5 - 1.0`: the same correctly
+    rounded float32 division and subtraction, as two numpy ufuncs on this thread, which run without the GIL
+    (the encoder's thread is not held up) and without torch's thread pool (whose threads would spin beside
+    the build's readers).
     """
     width, height = images[0].size
     out = np.empty((len(images), height, width, 3), dtype=np.float32)
     for k, image in enumerate(images):
-        np.take(PIXEL_VALUES, np.asarray(image if image.mode == "RGB" else image.convert("RGB")), out=out[k])
+        rgb = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+        np.divide(rgb, np.float32(127.5), out=out[k], dtype=np.float32)
+        np.subtract(out[k], np.float32(1.0), out=out[k])
     return torch.from_numpy(out).permute(0, 3, 1, 2)
