@@ -2,14 +2,11 @@
 
 Each case is a real Python process, or a real Jupyter kernel, as a user runs it: the DataModule
 made at a script's top level (the README's shape), inside its main guard or in a function, or in a
-notebook cell; one CPU device, or two ranks under `ddp_spawn`, `ddp_fork` and `ddp_notebook`; and
-scripts that set `forkserver` or `spawn` as the start method. Every rank has `num_workers=2`. Each
-rank must train on exactly its share of the epoch (the pure epoch plan, computed here), the ranks
-disjoint and together covering every sample, its workers started fork-free, with no error.
-
-Two ranks under `ddp` (Lightning launches a second interpreter, which runs the top level again) with
-the DataModule at the top level is the README's own Trainer example, which tests/docs runs as written;
-the ranks' shares under `ddp` are checked by every DDP fit of the resume tests.
+notebook cell; one CPU device, or two ranks under `ddp` (Lightning launches a second interpreter),
+`ddp_spawn`, `ddp_fork` and `ddp_notebook`; and a script that sets `forkserver` or `spawn` as the
+start method. Every rank has `num_workers=2`. Each rank must train on exactly its share of the epoch
+(the pure epoch plan, computed here), the ranks disjoint and together covering every sample, its
+workers started fork-free, with no error.
 """
 
 from __future__ import annotations
@@ -29,7 +26,9 @@ from support.caches import tiny_cache
 from support.fits import planned, records
 from support.process_group import run_process_group
 
-pytestmark = pytest.mark.slow  # real processes: every case starts an interpreter (or a kernel), ranks and workers
+# Real processes, each case in a test of its own: every case starts an interpreter (or a kernel), ranks and workers,
+# because the claim is about what a process does while it starts up (runs the main module again, forks ranks).
+pytestmark = pytest.mark.slow
 
 SECONDS = 240
 SAMPLES = 8  # two buckets of 4: at batch size 2, one batch per bucket and rank, nothing padded or dropped
@@ -69,11 +68,7 @@ def guarded(*lines: str) -> str:
 FORMS = {
     "top level": IMPORTS + MAKE + guarded(FIT),
     "main guard": IMPORTS + guarded(MAKE, FIT),
-    "function, spawn": IMPORTS
-    + "\n\ndef train():\n"
-    + textwrap.indent(MAKE + FIT, "    ")
-    + "\n\n"
-    + guarded("multiprocessing.set_start_method('spawn')\n", "train()\n"),
+    "function": IMPORTS + "\n\ndef train():\n" + textwrap.indent(MAKE + FIT, "    ") + "\n\n" + guarded("train()\n"),
 }
 
 
@@ -116,7 +111,7 @@ def run_script(source: str, cache: Path, out: Path, strategy: str, devices: int)
     check_shares(cache, out, devices, log[-4000:])
 
 
-@pytest.mark.parametrize("strategy", ["auto", "ddp_spawn", "ddp_fork"])
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "ddp_spawn", "ddp_fork"])
 def test_a_datamodule_made_at_a_scripts_top_level_trains_with_workers(
     cache_dir: Path, tmp_path: Path, strategy: str
 ) -> None:
@@ -131,18 +126,15 @@ def test_a_datamodule_made_under_the_main_guard_trains_under_ddp_fork(cache_dir:
     run_script(FORMS["main guard"], cache_dir, tmp_path / "run", "ddp_fork", 2)
 
 
-def test_a_datamodule_made_in_a_function_of_a_script_that_sets_spawn_trains_on_one_device(
-    cache_dir: Path, tmp_path: Path
-) -> None:
-    """A real process: its workers run the script's top level again, which defines the function and calls nothing;
-    the script's interpreter-wide start method is spawn."""
-    run_script(FORMS["function, spawn"], cache_dir, tmp_path / "run", "auto", 1)
+def test_a_datamodule_made_in_a_function_trains_on_one_device(cache_dir: Path, tmp_path: Path) -> None:
+    """A real process: its workers run the script's top level again, which defines the function and calls nothing."""
+    run_script(FORMS["function"], cache_dir, tmp_path / "run", "auto", 1)
 
 
-def test_a_script_that_sets_forkserver_as_start_method_trains_with_workers(cache_dir: Path, tmp_path: Path) -> None:
-    """A real process whose interpreter-wide start method is not fork (forkserver is Python 3.14's default), with the
-    DataModule at its top level."""
-    run_script(with_start_method("forkserver"), cache_dir, tmp_path / "run", "auto", 1)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_script_that_sets_the_start_method_trains_with_workers(cache_dir: Path, tmp_path: Path, method: str) -> None:
+    """A real process whose interpreter-wide start method is not fork (forkserver is Python 3.14's default)."""
+    run_script(with_start_method(method), cache_dir, tmp_path / "run", "auto", 1)
 
 
 def test_a_datamodule_made_in_a_notebook_cell_trains_under_ddp_notebook(cache_dir: Path, tmp_path: Path) -> None:
