@@ -35,6 +35,7 @@ from ..contract.batch import Batch
 from ..sampling.resume import loader_state, note_consumed, sampler_state_of
 from ..sampling.sampler import BucketBatchSampler
 from .deadline import WaitDeadline, end_processes
+from .killed_pool import release_lock_of_killed_workers
 from .start import (
     WorkerStart,
     choose_start,
@@ -206,6 +207,7 @@ class ResumableDataLoader(StatefulDataLoader):
             # them now rather than have torch wait for each. A fork server's workers are not children of this process,
             # so no SIGCHLD reaches torch's handler.
             end_processes(processes)
+            release_lock_of_killed_workers(getattr(self, "_iterator", None))
         batches = weakref.ref(self._batches) if self._batches is not None else None
         self._batches = None
         self._pool_running = False
