@@ -4,9 +4,9 @@ Closing a loader ends a fork server's workers at once (they may be loading a bat
 A worker killed inside `done_event.is_set()` dies holding the lock of the pool's done event, a lock
 it shares with the training process; torch's shutdown then sets that event and waits for the lock
 for ever. Every worker of the pool is dead by then, so a lock still held has a dead holder: this
-releases it. It reads torch's private `_workers_done_event` (no public API reaches the event), the
-only private torch name the package uses, for a hang rather than for speed; without it, or with an
-event of another shape, nothing is done and torch's own shutdown runs as before.
+releases it. It reads torch's private `_workers_done_event` (no public API reaches the event), kept
+in this one module, for a hang rather than for speed; without it, or with an event of another
+shape, nothing is done and torch's own shutdown runs as before.
 """
 
 from __future__ import annotations
