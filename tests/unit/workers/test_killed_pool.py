@@ -22,7 +22,7 @@ def take_and_die(lock: Any) -> None:
 
 
 @pytest.mark.slow  # a fork server and its workers
-def test_closing_a_loader_whose_done_event_lock_a_dead_process_holds_returns_and_ends_its_workers(
+def test_closing_a_loader_whose_done_event_lock_a_dead_process_holds_returns_at_once(
     tmp_path: Path,
 ) -> None:
     """The lock is taken by a forked process that exits holding it: the state a worker killed inside

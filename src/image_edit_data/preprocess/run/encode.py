@@ -141,9 +141,7 @@ def encode_images(
     With a `feed` (made for these images and batch size), pixel tensors come from it, made on its feeder while
     the encoder works; without one they are made here, one batch at a time. `stopwatch` times the encoder calls.
     """
-    chunks = image_chunks(images, batch_size)
-    if feed is not None and feed.chunks != chunks:
-        raise ValueError("the pixel feed was made for other images or another batch size")
+    chunks = feed.chunks if feed is not None else image_chunks(images, batch_size)
     pixels = iter(feed) if feed is not None else (to_pixels([images[i] for i in chunk]) for _, chunk in chunks)
     latents: list[torch.Tensor | None] = [None] * len(images)
     for ((width, height), chunk), batch in zip(chunks, pixels):
