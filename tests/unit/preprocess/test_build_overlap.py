@@ -151,3 +151,21 @@ def test_a_failed_write_stops_the_build_with_earlier_windows_journaled_and_a_rer
     assert (report.already_done, report.written) == (4, 8)
     build_cache(tmp_path / "whole", source, *DEMO_SPECS, options)
     assert every_file(tmp_path / "c").keys() == every_file(tmp_path / "whole").keys()
+
+
+class FailingSource(JsonlManifestSource):
+    """A manifest source whose read of position 5 (the second window at batch size 1) fails as a disk does."""
+
+    def read(self, position: int) -> Any:
+        if position == 5:
+            raise OSError(5, "Input/output error")
+        return super().read(position)
+
+
+def test_a_read_that_fails_in_the_next_window_stops_the_build_after_this_window_is_journaled(tmp_path: Path) -> None:
+    """The next window is read (and its pixels started) while this one encodes; its failure waits its turn."""
+    source = FailingSource(write_manifest(tmp_path / "raw", rows=12))
+    with pytest.raises(OSError, match="Input/output error"):
+        build_cache(tmp_path / "c", source, *DEMO_SPECS, BuildOptions(resize=RESIZE, batch_size=1))
+    journaled = journal_path(tmp_path / "c", 0).read_text().splitlines()
+    assert [json.loads(line)["position"] for line in journaled] == [0, 1, 2, 3]
