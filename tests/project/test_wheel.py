@@ -92,15 +92,15 @@ def test_the_checkouts_quickstart_config_is_the_one_the_package_ships() -> None:
 
 
 @pytest.mark.slow
-def test_the_wheel_alone_in_a_fresh_venv_runs_the_quickstart_from_an_empty_directory_and_resumes_it(
+def test_the_wheel_alone_in_a_fresh_venv_runs_the_quickstart_from_an_empty_directory(
     wheel: Path, tmp_path: Path
 ) -> None:
     """A real venv and real processes: the wheel must work where neither the checkout nor our venv can be imported.
 
     Its dependencies come from requirements/dev.lock as constraints (pip takes them from its cache, torch from the
     CPU wheel on disk), as a user's `pip install` would resolve them, at the lock's versions. The quickstart runs
-    as the README's main job does (smaller): it writes its demo caches, trains until the loss clearly falls,
-    checkpoints, and a second run resumes from that checkpoint.
+    as the README's main job does (smaller): it writes its demo caches, trains until the loss clearly falls and
+    checkpoints. (Its resume is the checkout's code, the same in the wheel: `test_quickstart.py` resumes it.)
     """
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
@@ -136,16 +136,5 @@ def test_the_wheel_alone_in_a_fresh_venv_runs_the_quickstart_from_an_empty_direc
     report = re.search(r"train/loss: first ([\d.]+), final ([\d.]+)", run.stdout + run.stderr)
     assert report is not None, "the run reports its first and final loss"
     assert float(report[2]) < 0.8 * float(report[1]), f"the loss falls clearly: {report[0]}"
-    last = empty / "runs" / "quickstart" / "checkpoints" / "last.ckpt"
-    first_steps = torch.load(last, map_location="cpu", weights_only=True)["global_step"]
-    assert first_steps > 0
-    resumed = subprocess.run(
-        ["image-edit-data", "quickstart", *small, "--data.num_workers", "0", "--trainer.max_epochs", "2",
-         "--ckpt_path", "last"],
-        capture_output=True, text=True, cwd=empty, env=env, timeout=600,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Restoring states from the checkpoint" in resumed.stdout + resumed.stderr
-    checkpoint = torch.load(last, map_location="cpu", weights_only=True)
-    assert checkpoint["global_step"] == 2 * first_steps, "the second epoch ran after the first, from its checkpoint"
-    assert checkpoint["state_dict"] and checkpoint["optimizer_states"]
+    checkpoint = torch.load(empty / "runs" / "quickstart" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] > 0 and checkpoint["state_dict"] and checkpoint["optimizer_states"]

@@ -161,12 +161,15 @@ DEMO_SPECS = (
 class SlowDemoImageEncoder(DemoImageEncoder):
     """The demo image encoder, sleeping `delay` seconds per call so a test can kill a build mid-way."""
 
+    awake = False  # `reference_cache` sets it: the same spec (delay included) in the cache's metadata, no waiting
+
     def __init__(self, latent_channels: int = 4, delay: float = 0.0) -> None:
         super().__init__(latent_channels)
         self.delay = delay
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.delay)
+        if not self.awake:
+            time.sleep(self.delay)
         return super().encode(images)
 
 
@@ -264,11 +267,18 @@ def build_args(manifest: Path, out: Path, *extra: str, delay: str = "0") -> list
 
 
 def reference_cache(manifest: Path, out: Path, delay: float = 0.0, batch_size: int = 2) -> Path:
-    """The same build as `build_args`, uninterrupted and in this process, on one thread as `cli_env` runs the CLI."""
+    """The same build as `build_args`, uninterrupted and in this process, on one thread as `cli_env` runs the CLI.
+
+    Its encoder spec names `delay` as the build it stands for did (the metadata records it), but does not sleep.
+    """
     image = {"class_path": SLOW_ENCODER, "init_args": {"latent_channels": 4, "delay": delay}}
     text = {"class_path": DEMO_SPECS[1]["class_path"], "init_args": {"dim": 8, "max_length": 32}}
-    with torch_threads(1):
-        build_cache(
-            out, JsonlManifestSource(manifest), image, text, BuildOptions(resize=CLI_RESIZE, batch_size=batch_size)
-        )
+    SlowDemoImageEncoder.awake = True
+    try:
+        with torch_threads(1):
+            build_cache(
+                out, JsonlManifestSource(manifest), image, text, BuildOptions(resize=CLI_RESIZE, batch_size=batch_size)
+            )
+    finally:
+        SlowDemoImageEncoder.awake = False
     return out

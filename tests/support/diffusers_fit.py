@@ -2,7 +2,10 @@
 
 Run as a script (the tests start it in a subprocess):
     python tests/support/diffusers_fit.py CACHE OUT --arch qwen --max-steps 8 [--devices 2] [--kill-at-step 4]
-        [--ckpt PATH] [--lora]
+        [--ckpt PATH] [--lora] [--then CACHE OUT2 ...]
+`--then` starts another fit's arguments: the fits run one after another in the same processes (each rank runs
+them all; the ranks Lightning launches for the first fit stay for the others), so a test that compares several
+multi-rank fits pays for one launch; a kill ends the process, so only the last fit may ask for one.
 The model is the tiny config's (`configs/tiny/`). OUT/rank{r}.jsonl gets one line per training batch,
 `{"step", "ids", "contexts", "loss"}`; OUT/rank{r}.initial.json and OUT/rank{r}.params.json hold every parameter's sum
 when training starts and when fit ends, to compare ranks. Checkpoints `step={s}.ckpt` go to OUT/ckpt every
@@ -87,8 +90,35 @@ def strategy(name: str, devices: int) -> str | ModelParallelStrategy:
 
 
 def main(argv: list[str], in_process: bool = False) -> None:
-    """Run the fit `argv` describes; `in_process` (one device): the kill raises SimulatedKill instead of exiting, and
-    the caller's torch thread count is restored after."""
+    """Run the fits `argv` describes, in order; `in_process` (one device): the kill raises SimulatedKill instead of
+    exiting, and the caller's torch thread count is restored after."""
+    runs = [parse(part) for part in split_runs(argv)]
+    if any(run.kill_at_step is not None for run in runs[:-1]):
+        raise SystemExit("only the last fit may be killed: the kill ends the process")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same float results in every run, and no oversubscription on small machines
+    try:
+        for run in runs:
+            fit(run, in_process)
+    finally:
+        if torch.distributed.is_initialized():  # gloo's threads joined now, not torn down at interpreter exit (SIGABRT)
+            torch.distributed.destroy_process_group()
+        if in_process:
+            torch.set_num_threads(threads)
+
+
+def split_runs(argv: list[str]) -> list[list[str]]:
+    """The arguments of each fit: `argv` cut at every `--then`."""
+    runs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("cache")
     parser.add_argument("out")
@@ -101,14 +131,7 @@ def main(argv: list[str], in_process: bool = False) -> None:
     parser.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp", help="with --devices > 1")
     parser.add_argument("--no-checkpoints", action="store_true")
     parser.add_argument("--lora", action="store_true", help="train a rank-4 LoRA instead of every weight")
-    args = parser.parse_args(argv)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same float results in every run, and no oversubscription on small machines
-    try:
-        fit(args, in_process)
-    finally:
-        if in_process:
-            torch.set_num_threads(threads)
+    return parser.parse_args(argv)
 
 
 def fit(args: argparse.Namespace, in_process: bool) -> None:
@@ -139,9 +162,7 @@ def fit(args: argparse.Namespace, in_process: bool) -> None:
         num_sanity_val_steps=0,
         default_root_dir=out,
     )
-    trainer.fit(model, datamodule=datamodule, ckpt_path=args.ckpt)
-    if torch.distributed.is_initialized():  # gloo's threads joined now, not torn down at interpreter exit (SIGABRT)
-        torch.distributed.destroy_process_group()
+    trainer.fit(model, datamodule=datamodule, ckpt_path=args.ckpt)  # a later fit reuses the process group
 
 
 if __name__ == "__main__":

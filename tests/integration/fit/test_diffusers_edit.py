@@ -31,6 +31,7 @@ from image_edit_data.models.diffusers_inputs import (
     sample_sigmas,
     step_generator,
 )
+from image_edit_data.models.lora import is_adapter_name
 
 HARNESS = SUPPORT / "diffusers_fit.py"
 CHANNELS, TEXT, POOLED = 16, 32, 16  # what the tiny configs' transformers take
@@ -497,34 +498,47 @@ def test_a_killed_and_resumed_run_continues_the_data_stream_and_the_loss_curve_e
 
 
 @pytest.mark.slow
-def test_two_process_ddp_and_a_killed_and_resumed_fsdp2_run_train_alike(mixed_cache: Path, tmp_path: Path) -> None:
+def test_two_process_ddp_and_fsdp2_train_alike_whole_and_lora_and_a_killed_fsdp2_run_resumes(
+    mixed_cache: Path, tmp_path: Path
+) -> None:
     """Real processes: two ranks need them, and the FSDP2 run's kill is a real exit, whose sharded checkpoint the next
-    run must load."""
+    launch must load. One launch runs the DDP fit, the LoRA fits under DDP and FSDP2 and the FSDP2 fit killed at
+    step 2, one after another in the same two ranks (`--then`); a second launch resumes the FSDP2 fit."""
     common = ["--arch", "qwen", "--devices", "2", "--max-steps", "4"]
-    ddp = harness(mixed_cache, tmp_path / "ddp", *common, "--strategy", "ddp", "--no-checkpoints")
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
     fsdp2 = tmp_path / "fsdp2"
-    killed = harness(mixed_cache, fsdp2, *common, "--strategy", "fsdp2", "--kill-at-step", "2")
+    first = [*common, "--strategy", "ddp", "--no-checkpoints"]
+    then = [
+        (tmp_path / "lora-ddp", [*common, "--strategy", "ddp", "--no-checkpoints", "--lora"]),
+        (tmp_path / "lora-fsdp2", [*common, "--strategy", "fsdp2", "--no-checkpoints", "--lora"]),
+        (fsdp2, [*common, "--strategy", "fsdp2", "--kill-at-step", "2"]),
+    ]
+    later = [arg for out, args in then for arg in ("--then", str(mixed_cache), str(out), *args)]
+    killed = harness(mixed_cache, tmp_path / "ddp", *first, *later)
     assert killed.returncode == 17, killed.stderr[-3000:]
     resumed = harness(mixed_cache, fsdp2, *common, "--strategy", "fsdp2", "--ckpt", str(fsdp2 / "ckpt" / "step=2.ckpt"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    ranks = [records(tmp_path / "ddp", rank) for rank in (0, 1)]
-    assert [[r["step"] for r in rank] for rank in ranks] == [[1, 2, 3, 4]] * 2
-    for first, second in zip(*ranks):
-        assert not set(first["ids"]) & set(second["ids"]), "the ranks' batches of one step share no sample"
-        assert first["loss"] != second["loss"]
-    for rank, expected in enumerate(ranks):
-        got = records(fsdp2, rank)
-        assert [(r["step"], r["ids"]) for r in got] == [(r["step"], r["ids"]) for r in expected]
-        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
-
     def sums(run: str, name: str, rank: int) -> dict[str, float]:
         return json.loads((tmp_path / run / f"rank{rank}.{name}.json").read_text())  # type: ignore[no-any-return]
 
-    final = sums("ddp", "params", 0)
-    assert sums("ddp", "params", 1) == final, "DDP keeps the replicas identical"
-    changed = [name for name in final if final[name] != sums("ddp", "initial", 0)[name]]
-    assert len(changed) > len(final) // 2, "and they trained"
-    for rank in (0, 1):
-        assert sums("fsdp2", "params", rank) == pytest.approx(final, rel=1e-4, abs=1e-5), "FSDP2 ends where DDP does"
+    for whole, sharded, lora in (("ddp", "fsdp2", False), ("lora-ddp", "lora-fsdp2", True)):
+        ranks = [records(tmp_path / whole, rank) for rank in (0, 1)]
+        assert [[r["step"] for r in rank] for rank in ranks] == [[1, 2, 3, 4]] * 2, whole
+        for first, second in zip(*ranks):
+            assert not set(first["ids"]) & set(second["ids"]), f"{whole}: one step's batches share no sample"
+            assert first["loss"] != second["loss"]
+        for rank, expected in enumerate(ranks):
+            got = records(tmp_path / sharded, rank)
+            assert [(r["step"], r["ids"]) for r in got] == [(r["step"], r["ids"]) for r in expected], sharded
+            assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5), sharded
+
+        final, initial = sums(whole, "params", 0), sums(whole, "initial", 0)
+        assert sums(whole, "params", 1) == final, f"{whole}: DDP keeps the replicas identical"
+        changed = {name for name in final if final[name] != initial[name]}
+        if lora:
+            assert changed and all(is_adapter_name(name) for name in changed), "only the adapter trains"
+        else:
+            assert len(changed) > len(final) // 2, "and they trained"
+        for rank in (0, 1):
+            ends = sums(sharded, "params", rank)
+            assert ends == pytest.approx(final, rel=1e-4, abs=1e-5), f"{sharded} ends where {whole} does"

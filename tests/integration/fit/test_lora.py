@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,6 @@ from support import ROOT, SUPPORT
 from support.diffusers_fit import Recorder
 from support.fits import KillAfterCheckpoint, SimulatedKill
 from support.lora import ARCHS, pipeline_module, random_cache
-from support.process_group import run_process_group
 
 from image_edit_data import ImageEditDataModule
 from image_edit_data.__main__ import main
@@ -280,33 +277,6 @@ def test_a_killed_lora_run_resumes_with_the_same_batches_and_bit_identical_losse
     expected = records(tmp_path / "whole")
     assert records(tmp_path / "run") == expected, "same batches and bit-identical losses as the uninterrupted run"
     assert len({r["loss"] for r in expected}) == 5
-
-
-@pytest.mark.slow
-def test_two_process_lora_under_ddp_and_fsdp2_trains_alike(tmp_path: Path) -> None:
-    """Real processes: two ranks need them (the adapter's gradients reduced, or its weights sharded, across ranks)."""
-    cache = random_cache(tmp_path / "cache", "qwen", samples=8, channels=16)  # the tiny configs' 16 channels
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    common = ["--arch", "qwen", "--devices", "2", "--max-steps", "4", "--lora", "--no-checkpoints"]
-    for strategy in ("ddp", "fsdp2"):
-        command = [sys.executable, str(HARNESS), str(cache), str(tmp_path / strategy), *common, "--strategy", strategy]
-        done: subprocess.CompletedProcess[str] = run_process_group(command, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-
-    def sums(run: str, name: str, rank: int) -> dict[str, float]:
-        return json.loads((tmp_path / run / f"rank{rank}.{name}.json").read_text())  # type: ignore[no-any-return]
-
-    for rank in (0, 1):
-        ddp, sharded = records(tmp_path / "ddp", rank), records(tmp_path / "fsdp2", rank)
-        assert [r["ids"] for r in ddp] == [r["ids"] for r in sharded]
-        assert [r["loss"] for r in sharded] == pytest.approx([r["loss"] for r in ddp], rel=1e-5)
-    assert not set(records(tmp_path / "ddp", 0)[0]["ids"]) & set(records(tmp_path / "ddp", 1)[0]["ids"])
-    final, initial = sums("ddp", "params", 0), sums("ddp", "initial", 0)
-    assert sums("ddp", "params", 1) == final, "DDP keeps the replicas identical"
-    changed = {name for name in final if final[name] != initial[name]}
-    assert changed and all(is_adapter_name(name) for name in changed), "only the adapter trains"
-    for rank in (0, 1):
-        assert sums("fsdp2", "params", rank) == pytest.approx(final, rel=1e-4, abs=1e-5), "FSDP2 ends where DDP does"
 
 
 @pytest.mark.parametrize("arch", ["qwen", "kontext"])

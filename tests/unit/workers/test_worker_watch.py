@@ -18,14 +18,21 @@ from support.stuck_workers import STUCK_SECONDS, DiesAtStartUp, ReadTimesOut, St
 
 from image_edit_data import ImageEditDataloaderConfig
 from image_edit_data.workers import LoaderWorkerTimeoutError
+from image_edit_data.workers.start import wait_for_server
 
-# Long enough that a healthy worker (and the fork server starting) always answers, even with the other
-# test worker running a DDP fit on the same 2 cores; each test waits it out about once (claims that follow
-# one timeout share its test).
+# Long enough that a healthy worker always answers, even with the other test worker running a DDP fit on the same
+# 2 cores; each test waits it out about once (claims that follow one timeout share its test). The fork server's own
+# imports are waited for before any clock starts (`server_loaded`): under that load they alone can take longer.
 TIMEOUT = 6.0
 SRC = ROOT / "src"
 
 pytestmark = pytest.mark.slow  # each test waits out a timeout and the shutdown of a stuck worker
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_loaded() -> None:
+    """This process's fork server, started and done importing, so a timeout measures workers, not the server."""
+    wait_for_server(None)
 
 
 @pytest.fixture(scope="module")
