@@ -2,8 +2,9 @@
 of the real models' shapes (Qwen-Image's 16-channel latents at 1/8 scale, Qwen2.5-VL-7B's 3584-wide embeddings).
 
 A call lasts `call_ms + item_ms * items`: a fixed part (kernel launches, synchronisation) and a part that grows
-with the batch (the work itself; a VAE at a megapixel is compute-bound, so it grows about linearly). While it
-waits, the calling thread sleeps (a GPU encoder leaves the CPU to the build's other threads) or, with `busy`,
+with the batch (the work itself; a VAE at a megapixel is compute-bound, so it grows about linearly). Making its
+output tensors counts in that time, as a GPU encoder's copy of its results to the host does. While it waits,
+the calling thread sleeps (a GPU encoder leaves the CPU to the build's other threads) or, with `busy`,
 keeps one core busy in torch matmuls (a CPU encoder, which also releases the GIL).
 The values used and where they come from: docs/building-caches.md, "Build speed".
 """
@@ -25,15 +26,16 @@ QWEN_VL_HIDDEN = 3584
 CALLS: dict[str, float | None] = {"asked": 0.0, "first": None}
 
 
-def hold(seconds: float, busy: bool) -> None:
-    """Take `seconds`: asleep, or running torch matmuls on this thread (which release the GIL as real kernels do)."""
+def hold(seconds: float, busy: bool, started: float) -> None:
+    """Last `seconds` from `started` (time.perf_counter, when the call began, so making its outputs counts in it):
+    asleep, or running torch matmuls on this thread (which release the GIL as real kernels do)."""
     CALLS["asked"] = (CALLS["asked"] or 0.0) + seconds
-    CALLS["first"] = CALLS["first"] or time.perf_counter()
+    CALLS["first"] = CALLS["first"] or started
+    deadline = started + seconds
     if not busy:
-        time.sleep(seconds)
+        time.sleep(max(0.0, deadline - time.perf_counter()))
         return
     a = torch.ones(128, 128)
-    deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         a = torch.mm(a, a).clamp_(max=1.0)
 
@@ -53,10 +55,12 @@ class StandInImageEncoder:
         self.call_ms, self.image_ms, self.busy = call_ms, image_ms, busy
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         batch, _, height, width = images.shape
-        hold((self.call_ms + self.image_ms * batch) / 1000.0, self.busy)
         f = self.spatial_factor
-        return torch.zeros(batch, QWEN_IMAGE_LATENT_CHANNELS, height // f, width // f)
+        latents = torch.zeros(batch, QWEN_IMAGE_LATENT_CHANNELS, height // f, width // f)
+        hold((self.call_ms + self.image_ms * batch) / 1000.0, self.busy, started)
+        return latents
 
 
 class StandInPromptEncoder:
@@ -73,8 +77,10 @@ class StandInPromptEncoder:
         self.call_ms, self.prompt_ms, self.tokens, self.busy = call_ms, prompt_ms, tokens, busy
 
     def encode_prompts(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]:
-        hold((self.call_ms + self.prompt_ms * len(prompts)) / 1000.0, self.busy)
-        return [
+        started = time.perf_counter()
+        encodings = [
             PromptEncoding(torch.zeros(self.tokens, QWEN_VL_HIDDEN), torch.ones(self.tokens, dtype=torch.int64))
             for _ in prompts
         ]
+        hold((self.call_ms + self.prompt_ms * len(prompts)) / 1000.0, self.busy, started)
+        return encodings

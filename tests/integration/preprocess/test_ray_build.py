@@ -31,6 +31,7 @@ from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 
 RAY_ENGINE = ROOT / "src" / "image_edit_data" / "preprocess" / "run" / "ray_engine.py"
 ROWS = 16
+DELAY = 0.2
 
 
 def journaled(cache: Path) -> list[int]:
@@ -68,8 +69,10 @@ def test_a_ray_build_stopped_and_rerun_with_its_encoder_killed_equals_the_single
     encoder actor's process to SIGKILL mid-build."""
     manifest = write_manifest(tmp_path / "raw", rows=ROWS)
     cache = tmp_path / "ray"
+    # Each image encoder call sleeps DELAY: a window of 4 samples (8 calls) takes 1.6 s, time to stop or kill between.
     # One image per encoder call, so the windows Ray redoes meet the kernels the reference meets.
-    args = [*build_args(manifest, cache, "--batch-size", "1", delay="0.3"), "--engine", "ray", "--ray-num-cpus", "2"]
+    args = build_args(manifest, cache, "--batch-size", "1", delay=str(DELAY))
+    args += ["--engine", "ray", "--ray-num-cpus", "2"]
     env = cli_env(RAY_TMPDIR=ray_tmp)
     run = {"env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
 
@@ -94,7 +97,7 @@ def test_a_ray_build_stopped_and_rerun_with_its_encoder_killed_equals_the_single
     assert second.returncode == 0, out + err[-3000:]
     assert f"({len(stopped)} of {ROWS} already done)" in out and "on Ray: 1 encoder actor(s)" in out
     assert sorted(journaled(cache)) == list(range(ROWS))  # every position once: none lost, none twice
-    reference = reference_cache(manifest, tmp_path / "reference", delay=0.3, batch_size=1)
+    reference = reference_cache(manifest, tmp_path / "reference", delay=DELAY, batch_size=1)
     assert index_files(cache) == index_files(reference)
     same_samples(ImageEditDataset(cache), ImageEditDataset(reference))
 

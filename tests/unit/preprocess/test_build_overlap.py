@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -21,7 +22,9 @@ from support.pipelines import QWEN, edit_manifest
 from image_edit_data.preprocess.encoders.demo import DemoImageEncoder
 from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
 from image_edit_data.preprocess.run.journal import journal_path
+from image_edit_data.preprocess.run.overlap import HELPER_NICENESS, lower_priority
 from image_edit_data.preprocess.run.resize import ResizePolicy, to_pixels
+from image_edit_data.preprocess.run.writer import owned
 from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 
 build_module = importlib.import_module("image_edit_data.preprocess.run.build_cache")  # the package re-exports a name
@@ -169,3 +172,32 @@ def test_a_read_that_fails_in_the_next_window_stops_the_build_after_this_window_
         build_cache(tmp_path / "c", source, *DEMO_SPECS, BuildOptions(resize=RESIZE, batch_size=1))
     journaled = journal_path(tmp_path / "c", 0).read_text().splitlines()
     assert [json.loads(line)["position"] for line in journaled] == [0, 1, 2, 3]
+
+
+def test_a_payload_saves_its_own_row_of_a_batch_and_a_tensor_of_its_own_is_not_copied(tmp_path: Path) -> None:
+    """The encoder's thread keeps each latent as a row of its batch's output; the writer copies only what needs it."""
+    batch = torch.arange(4 * 2 * 3 * 3, dtype=torch.float32).reshape(4, 2, 3, 3)
+    row = owned(batch[1])
+    assert torch.equal(row, batch[1]) and row.untyped_storage().nbytes() == row.numel() * 4 < batch.numel() * 4
+    alone = torch.ones(2, 3, 3)
+    assert owned(alone) is alone, "a tensor that is all of its block is saved as it is"
+    assert owned(alone, torch.bfloat16).dtype == torch.bfloat16
+    torch.save({"latent": owned(batch[2])}, tmp_path / "row.pt")
+    torch.save({"latent": batch[2]}, tmp_path / "view.pt")
+    assert (tmp_path / "row.pt").stat().st_size < (tmp_path / "view.pt").stat().st_size  # the view saves all 4 rows
+
+
+def test_the_builds_helper_threads_run_below_the_encoders_thread() -> None:
+    """Linux gives each thread a priority of its own: the readers' and writers' yield a core to the encoders'."""
+    seen: list[int] = []
+
+    def helper() -> None:
+        lower_priority()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    thread = threading.Thread(target=helper)
+    thread.start()
+    thread.join()
+    assert seen == [min(19, base + HELPER_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the calling thread keeps its priority"

@@ -23,7 +23,7 @@ from image_edit_data.workers.start import wait_for_server
 # Long enough that a healthy worker always answers, even with the other test worker running a DDP fit on the same
 # 2 cores; each test waits it out about once (claims that follow one timeout share its test). The fork server's own
 # imports are waited for before any clock starts (`server_loaded`): under that load they alone can take longer.
-TIMEOUT = 6.0
+TIMEOUT = 4.0
 SRC = ROOT / "src"
 
 pytestmark = pytest.mark.slow  # each test waits out a timeout and the shutdown of a stuck worker

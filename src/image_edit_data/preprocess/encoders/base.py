@@ -22,7 +22,8 @@ class ImageEncoder(Protocol):
     """Turns a batch of same-sized RGB images into latents.
 
     `images` is float32 `[B, 3, H, W]` in `[-1, 1]`; the result is `[B, C, H / f, W / f]`
-    where `f == spatial_factor`. `H` and `W` are multiples of `spatial_factor`.
+    where `f == spatial_factor`. `H` and `W` are multiples of `spatial_factor`. The result is a new tensor
+    (not a buffer the next call overwrites): the build writes it while the encoder goes on.
     """
 
     spatial_factor: int

@@ -30,7 +30,7 @@ from ..sources.base import BadSampleError, EditSource, row_index_of
 from .encode import PixelFeed, Prepared, encode_window, prepare, window_images
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
-from .overlap import ReadAhead, Stopwatch, WriteBehind
+from .overlap import ReadAhead, Stopwatch, WriteBehind, lower_priority
 from .rank_meeting import meet
 from .resize import ResizePolicy
 from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from .ray_engine import RayOptions
 
 WINDOW_BATCHES = 4
+# Threads that turn the next pixel batches into tensors while the encoder works (`PixelFeed`): with two, the
+# encoder waited for them at batch size 8 on two cores.
+PIXEL_THREADS = 3
 # Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
 # as left over from an earlier launch (each rank also deletes its own marker when it starts).
 FAILURE_GRACE = 60.0
@@ -326,8 +329,8 @@ def _encode_slice(
         return len(records)
 
     with (
-        ThreadPoolExecutor(options.num_workers, thread_name_prefix="build-io") as pool,
-        ThreadPoolExecutor(2, thread_name_prefix="build-pixels") as feeder,
+        ThreadPoolExecutor(options.num_workers, thread_name_prefix="build-io", initializer=lower_priority) as pool,
+        ThreadPoolExecutor(PIXEL_THREADS, thread_name_prefix="build-pixels", initializer=lower_priority) as feeder,
     ):
         reader = ReadAhead(pool, windows, read, depth)
         # Two windows may wait for the disk while a third encodes; none when nothing overlaps.

@@ -105,10 +105,11 @@ class PixelFeed:
     """The pixel tensors of one window's batches, made on the feeder `ahead` batches before the encoder takes them.
 
     Made for the next window while this one encodes, it has that window's first batches ready when the
-    encoder gets there, so the encoder never waits for a window's first pixels.
+    encoder gets there, so the encoder never waits for a window's first pixels. At most `ahead` batches are
+    held: at batch size 8 and a megapixel, 4 x 8 x 12 MB of float32.
     """
 
-    def __init__(self, images: Sequence[Image.Image], batch_size: int, feeder: Executor, ahead: int = 2) -> None:
+    def __init__(self, images: Sequence[Image.Image], batch_size: int, feeder: Executor, ahead: int = 4) -> None:
         self.chunks = image_chunks(images, batch_size)
         self._batches = [[images[i] for i in chunk] for _, chunk in self.chunks]
         self._feeder = feeder
@@ -140,6 +141,8 @@ def encode_images(
 
     With a `feed` (made for these images and batch size), pixel tensors come from it, made on its feeder while
     the encoder works; without one they are made here, one batch at a time. `stopwatch` times the encoder calls.
+    Each latent is a row of its batch's output, as the encoder returned it (moved to the CPU): nothing is copied on
+    the encoder's thread, the writer copies it out (an encoder returns new tensors per call, see `ImageEncoder`).
     """
     chunks = feed.chunks if feed is not None else image_chunks(images, batch_size)
     pixels = iter(feed) if feed is not None else (to_pixels([images[i] for i in chunk]) for _, chunk in chunks)
@@ -155,7 +158,7 @@ def encode_images(
                 f"{width // factor}] (spatial_factor {factor})"
             )
         for k, i in enumerate(chunk):
-            latents[i] = out[k].detach().cpu().clone()  # a copy, so saving it does not save the whole batch
+            latents[i] = out[k].detach().cpu()  # a row of the batch: the writer copies it out (`writer.owned`)
     return [latent for latent in latents if latent is not None]
 
 
@@ -188,12 +191,9 @@ def encode_prompts(
                     f"text_encoder {_name(encoder)}: expected embeddings [S, D] and mask [S], "
                     f"got {list(embeddings.shape)} and {list(mask.shape)}"
                 )
-            conditioning = {name: t.detach().cpu().clone() for name, t in item.conditioning.items()}
-            results.append(
-                PromptEncoding(
-                    embeddings.detach().cpu().clone(), mask.detach().cpu().clone(), conditioning, item.truncations
-                )
-            )
+            conditioning = {name: t.detach().cpu() for name, t in item.conditioning.items()}
+            encoding = PromptEncoding(embeddings.detach().cpu(), mask.detach().cpu(), conditioning, item.truncations)
+            results.append(encoding)
     return results
 
 

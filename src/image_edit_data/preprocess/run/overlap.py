@@ -7,10 +7,17 @@ decoders and resampling and numpy's and torch's copies release the GIL, so threa
 each other the way pure Python would), and writes the payloads of the windows already encoded. One more
 thread appends each window's journal lines once all its payloads are on disk, in window order, so the
 journal reads line for line as a serial build's.
+
+The pool's threads run at a lower CPU priority than the encoders' thread (`lower_priority`): on a
+machine whose cores the build's own work keeps busy, the encoders' thread then gets a core the moment
+an encoder call returns, rather than after a reader's time slice.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -18,6 +25,16 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+# How much lower the build's helper threads run than the encoders' thread (nice steps; Linux gives each thread its own).
+HELPER_NICENESS = 10
+
+
+def lower_priority() -> None:
+    """Run this thread `HELPER_NICENESS` steps below the process (a pool initializer; where a thread cannot have
+    a priority of its own, nothing changes)."""
+    with contextlib.suppress(AttributeError, OSError):
+        niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + HELPER_NICENESS)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
 class ReadAhead(Generic[T]):

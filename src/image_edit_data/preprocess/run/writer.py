@@ -56,6 +56,15 @@ class EncodedSample:
     edit_mask: torch.Tensor | None = None  # float32 [H, W] at the target latent's size, 1 = edited
 
 
+def owned(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`tensor` (cast to `dtype`) as a contiguous block of its own: a row of a batch's output is copied out, so
+    saving or sending it does not carry the whole batch; a tensor that is one already is kept as it is."""
+    cast = tensor if dtype is None else tensor.to(dtype)
+    if cast.is_contiguous() and cast.untyped_storage().nbytes() == cast.numel() * cast.element_size():
+        return cast
+    return cast.clone(memory_format=torch.contiguous_format)
+
+
 def assemble(
     sample: EncodedSample, payload_format: PayloadFormat, token_patch_size: int, store_dtype: StoreDtype
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -68,11 +77,9 @@ def assemble(
     raw = sample.source.sample
     dtype = STORE_DTYPES[store_dtype]
     # Floating conditioning tensors are stored like the embeddings; integer ones (grids, ids) keep their dtype.
-    conditioning = {
-        name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in sample.conditioning.items()
-    }
+    conditioning = {name: owned(t, dtype if t.is_floating_point() else None) for name, t in sample.conditioning.items()}
     if sample.edit_mask is not None:  # float32 whatever the store dtype: a weight map, small beside the latents
-        conditioning[EDIT_MASK] = sample.edit_mask.to(torch.float32).contiguous()
+        conditioning[EDIT_MASK] = owned(sample.edit_mask, torch.float32)
     metadata = {
         "original_ids": {"id": raw.sample_id},
         "target_spatial_shape": list(signature.target[1:]),
@@ -90,10 +97,10 @@ def assemble(
     if sample.prompt_truncations:  # only on cut prompts, so other payloads keep NeMo's metadata keys
         metadata["prompt_truncation"] = [t.to_json() for t in sample.prompt_truncations]
     payload = {
-        "target_latent": sample.target_latent.to(dtype).contiguous(),
-        "context_latents": [c.to(dtype).contiguous() for c in sample.context_latents],
-        "prompt_embeddings": sample.prompt_embeddings.to(dtype).contiguous(),
-        "prompt_attention_mask": sample.prompt_attention_mask.contiguous(),
+        "target_latent": owned(sample.target_latent, dtype),
+        "context_latents": [owned(c, dtype) for c in sample.context_latents],
+        "prompt_embeddings": owned(sample.prompt_embeddings, dtype),
+        "prompt_attention_mask": owned(sample.prompt_attention_mask),
         "conditioning_tensors": conditioning,
         "metadata": metadata,
     }

@@ -103,8 +103,10 @@ def open_image(data: bytes | str | Path, location: str, field: str, mode: str | 
     """Decode an image file or bytes fully into `mode` (None: its own mode, alpha kept), honouring EXIF orientation."""
     try:
         with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as opened:
-            upright = ImageOps.exif_transpose(opened)
-            image = upright.convert(mode) if mode is not None else upright.copy()
+            opened.load()  # decoded now, so the image outlives its file
+            ImageOps.exif_transpose(opened, in_place=True)
+            # No copy when the mode is right already: a megapixel copy costs as much as the pixels do later.
+            image: Image.Image = opened.convert(mode) if mode is not None and opened.mode != mode else opened
     except FileNotFoundError:
         raise BadSampleError(location, MISSING_IMAGE, f"{field}: file {str(data)!r} does not exist") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
