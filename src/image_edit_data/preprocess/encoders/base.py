@@ -42,7 +42,8 @@ class ImageDecoder(Protocol):
 class TextEncoder(Protocol):
     """Turns prompts into per-prompt embeddings `[S_i, D]` and attention masks `[S_i]`.
 
-    It cannot report a cut prompt: an encoder that may truncate implements `PromptEncoder` instead.
+    It cannot report a cut prompt: an encoder that may truncate implements `PromptEncoder` instead. Its tensors
+    are new ones, as `ImageEncoder`'s are.
     """
 
     def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
@@ -86,7 +87,8 @@ class PromptEncoder(Protocol):
     """Turns prompts, each with its sample's condition images (raw, possibly none), into `PromptEncoding`s.
 
     Every result of one cache must carry the same conditioning names, with the same shape and dtype per name.
-    An encoder that cuts a prompt says so in `truncations`: the build warns and records it per sample.
+    An encoder that cuts a prompt says so in `truncations`: the build warns and records it per sample. Its
+    tensors are new ones, as `ImageEncoder`'s are.
     """
 
     def encode_prompts(self, prompts: list[str], conditions: list[tuple[Image.Image, ...]]) -> list[PromptEncoding]: ...
