@@ -57,31 +57,32 @@ def s3() -> Iterator[dict[str, Any]]:
 # second core. Two workers take a file at a time in this order; longest first keeps one long file from ending the
 # run alone while the other worker idles. A file missing here only loses its place in the queue.
 LONGEST_FILES = [
-    "integration/fit/test_strategies.py",  # 83
-    "integration/preprocess/test_ray_build.py",  # 52, waits
-    "integration/resume/test_resume_fuzz.py",  # 57
-    "integration/remote/test_remote_faults.py",  # 51, waits
-    "project/test_wheel.py",  # 45
-    "unit/workers/test_worker_watch.py",  # 37, waits
-    "integration/fit/test_diffusers_edit.py",  # 40
-    "docs/test_code_blocks.py",  # 36
-    "integration/remote/test_remote_cache.py",  # 36
-    "integration/fit/test_lora.py",  # 34
+    "integration/fit/test_strategies.py",  # 99
+    "integration/remote/test_remote_faults.py",  # 55, waits
+    "integration/resume/test_resume_fuzz.py",  # 46
+    "integration/preprocess/test_ray_build.py",  # 42, waits
+    "project/test_wheel.py",  # 36
+    "unit/workers/test_worker_watch.py",  # 38, waits
+    "integration/remote/test_remote_cache.py",  # 38
+    "docs/test_code_blocks.py",  # 37
+    "unit/bench/test_bench.py",  # 31
     "integration/fit/test_mixture_fit.py",  # 30
-    "unit/preprocess/test_pipeline_encoders.py",  # 27
-    "integration/resume/test_loader_resume.py",  # 26
-    "unit/bench/test_bench.py",  # 22
-    "unit/workers/test_start_forms.py",  # 22
-    "benchmarks/test_versus_litdata.py",  # 19
-    "unit/workers/test_server_start.py",  # 17
-    "integration/preprocess/test_nemo_equivalence.py",  # 17
+    "integration/fit/test_diffusers_edit.py",  # 30
+    "unit/preprocess/test_pipeline_encoders.py",  # 25
+    "integration/resume/test_loader_resume.py",  # 23
+    "unit/workers/test_start_forms.py",  # 21
+    "benchmarks/test_versus_litdata.py",  # 21
     "benchmarks/test_stress.py",  # 16
-    "benchmarks/test_versus_nemo.py",  # 13
+    "unit/workers/test_server_start.py",  # 15
+    "benchmarks/test_versus_nemo.py",  # 14
+    "integration/preprocess/test_nemo_equivalence.py",  # 12
     "unit/lightning/test_loader_lifecycle.py",  # 11
+    "integration/fit/test_lora.py",  # 11
     "project/test_notebook.py",  # 10
     "integration/preprocess/test_cache_cli.py",  # 9
+    "unit/entry/test_cli.py",  # 7
     "project/test_public_api.py",  # 7
-    "project/test_import_side_effects.py",  # 7
+    "project/test_import_side_effects.py",  # 6
 ]
 
 
