@@ -96,9 +96,9 @@ class InexactResume(AssertionError):
 
 
 def kill_schedule(rng: random.Random) -> list[Kill]:
-    """`KILLS` kills at increasing steps, a complete checkpoint before each: one halfway through writing the checkpoint
-    after an epoch's last one (so the next run resumes at that epoch's end), a SIGKILL in the first step of that
-    resumed run, the rest of random kinds (an exit right after a checkpoint among them)."""
+    """`KILLS` kills, each after a complete checkpoint and past the step its run resumed from: one halfway through
+    writing the checkpoint after an epoch's last one (so the next run resumes at that epoch's end), a SIGKILL in the
+    first step of that resumed run, the rest of random kinds (an exit right after a checkpoint among them)."""
     epoch_ends = [STEPS_PER_EPOCH * epoch for epoch in range(1, EPOCHS)]
     boundary = rng.choice(epoch_ends)
     mid_save = Kill(boundary + CKPT_EVERY, "die_while_saving")
