@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -30,9 +31,11 @@ HELPER_NICENESS = 10
 
 
 def lower_priority() -> None:
-    """Run this thread `HELPER_NICENESS` steps below the process (a pool initializer; where a thread cannot have
-    a priority of its own, nothing changes)."""
-    with contextlib.suppress(AttributeError, OSError):
+    """Run this thread `HELPER_NICENESS` steps below the process (a pool initializer). Only on Linux, where a
+    thread's id names it to `setpriority`; elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):
         niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + HELPER_NICENESS)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
