@@ -21,10 +21,12 @@ from support.pipelines import QWEN, edit_manifest
 
 from image_edit_data.preprocess.encoders.demo import DemoImageEncoder
 from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
+from image_edit_data.preprocess.run.encode import Prepared, Unresized, prepare, ready
 from image_edit_data.preprocess.run.journal import journal_path
 from image_edit_data.preprocess.run.overlap import HELPER_NICENESS, lower_priority
 from image_edit_data.preprocess.run.resize import ResizePolicy, to_pixels
 from image_edit_data.preprocess.run.writer import owned
+from image_edit_data.preprocess.sources.base import BadSampleError
 from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 
 build_module = importlib.import_module("image_edit_data.preprocess.run.build_cache")  # the package re-exports a name
@@ -201,3 +203,77 @@ def test_the_builds_helper_threads_run_below_the_encoders_thread() -> None:
     thread.join()
     assert seen == [min(19, base + HELPER_NICENESS)]
     assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the calling thread keeps its priority"
+
+
+def test_a_deferred_resize_knows_its_size_and_gives_the_image_the_policy_gives(tmp_path: Path) -> None:
+    """The first window's images are read without resizing; their sizes, errors and pixels are the policy's."""
+    source = JsonlManifestSource(write_manifest(tmp_path / "raw", rows=6))
+    unchanged = []
+    for position in range(6):
+        now, later = prepare(source, position, RESIZE, 8), prepare(source, position, RESIZE, 8, defer_resize=True)
+        assert isinstance(now, Prepared) and isinstance(later, Prepared)
+        for resized, deferred in zip((now.target, *now.contexts), (later.target, *later.contexts)):
+            assert isinstance(deferred, Unresized) and isinstance(resized, Image.Image)
+            assert deferred.size == resized.size
+            assert torch.equal(to_pixels([ready(deferred)]), to_pixels([resized]))
+            unchanged.append(deferred.image.size == resized.size)
+    assert unchanged.count(False) >= 6, "most raw images change size (some are at their policy's size already)"
+    strict = ResizePolicy("none", spatial_alignment=16)
+    now, later = prepare(source, 0, strict, 8), prepare(source, 0, strict, 8, defer_resize=True)
+    assert isinstance(now, BadSampleError) and isinstance(later, BadSampleError) and str(now) == str(later)
+
+
+def test_the_first_window_is_resized_on_the_pixel_threads_and_the_rest_when_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """So the encoder starts once the first window is decoded; later windows are resized well ahead of it."""
+    source = JsonlManifestSource(write_manifest(tmp_path / "raw", rows=12))
+    threads: Counter[str] = Counter()
+    original = ResizePolicy.apply
+
+    def apply(self: ResizePolicy, image: Image.Image, factor: int) -> Image.Image:
+        threads[threading.current_thread().name.rpartition("_")[0]] += 1
+        return original(self, image, factor)
+
+    monkeypatch.setattr(ResizePolicy, "apply", apply)
+    build_cache(tmp_path / "c", source, *DEMO_SPECS, BuildOptions(resize=RESIZE, batch_size=1))  # windows of 4
+    images = [1 + 1 + (p % 5 == 0) for p in range(12)]  # target, context, and a second context every fifth
+    assert threads == {"build-pixels": sum(images[:4]), "build-io": sum(images[4:])}
+
+
+class HeldSource(JsonlManifestSource):
+    """A manifest source whose second window (positions 4-7 at batch size 1) is read only once the encoder has
+    started on the first; `Held.timed_out` lists the reads that waited 10 s in vain."""
+
+    def read(self, position: int) -> Any:
+        if 4 <= position < 8 and not Held.first_call.wait(10):
+            Held.timed_out.append(position)
+        return super().read(position)
+
+
+class Held:
+    first_call = threading.Event()
+    timed_out: list[int] = []
+
+
+class StartingImageEncoder(DemoImageEncoder):
+    """The demo encoder, which lets `HeldSource` read on at its first call."""
+
+    def __init__(self, latent_channels: int = 4) -> None:
+        super().__init__(latent_channels)
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        Held.first_call.set()
+        return super().encode(images)
+
+
+def test_the_encoder_starts_a_window_without_waiting_for_the_next_one_to_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next window is awaited on a thread of its own, not before the encoder takes this one."""
+    monkeypatch.setattr(Held, "first_call", threading.Event())
+    monkeypatch.setattr(Held, "timed_out", [])
+    source = HeldSource(write_manifest(tmp_path / "raw", rows=12))
+    image = {"class_path": f"{__name__}.StartingImageEncoder", "init_args": {}}
+    report = build_cache(tmp_path / "c", source, image, DEMO_SPECS[1], BuildOptions(resize=RESIZE, batch_size=1))
+    assert report.written == 12 and Held.timed_out == []

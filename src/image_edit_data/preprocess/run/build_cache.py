@@ -19,7 +19,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from .ray_engine import RayOptions
 
 WINDOW_BATCHES = 4
-# Threads that turn the next pixel batches into tensors while the encoder works (`PixelFeed`): with two, the
-# encoder waited for them at batch size 8 on two cores.
+# Threads that resize the next batches' images and make their pixels while the encoder works (`PixelFeed`): with
+# two, the encoder waited for them at batch size 8 on two cores.
 PIXEL_THREADS = 3
 # Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
 # as left over from an earlier launch (each rank also deletes its own marker when it starts).
@@ -317,8 +317,13 @@ def _encode_slice(
     stopwatch = Stopwatch()
     journal = Journal(root, rank)
 
+    # The first window's images are resized by the pixel threads as the encoder takes their batches, so its first
+    # call waits only for the window's decoding; later ones are resized when read, well ahead of the encoder.
+    first_window = set(windows[0]) if depth else set()
+
     def read(position: int) -> Prepared | BadSampleError:
-        return prepare(source, position, options.resize, factor, options.allow_no_context)
+        defer = position in first_window
+        return prepare(source, position, options.resize, factor, options.allow_no_context, defer_resize=defer)
 
     def write(sample: EncodedSample) -> dict[str, Any]:
         return write_sample(root, sample, options.payload_format, options.token_patch_size, options.store_dtype)
@@ -331,34 +336,31 @@ def _encode_slice(
     with (
         ThreadPoolExecutor(options.num_workers, thread_name_prefix="build-io", initializer=lower_priority) as pool,
         ThreadPoolExecutor(PIXEL_THREADS, thread_name_prefix="build-pixels", initializer=lower_priority) as feeder,
+        # Not lowered: the encoders' thread waits on it at each window's start, and it mostly waits itself.
+        ThreadPoolExecutor(1, thread_name_prefix="build-plan") as planner,
     ):
         reader = ReadAhead(pool, windows, read, depth)
         # Two windows may wait for the disk while a third encodes; none when nothing overlaps.
         writer = WriteBehind(pool, backlog=2 if depth else 0)
         reported = 0
 
-        def pixel_feed(good: list[Prepared]) -> PixelFeed | None:
-            return PixelFeed(window_images(good), options.batch_size, feeder) if depth else None
+        def take(k: int) -> tuple[list[Prepared | BadSampleError], PixelFeed | None]:
+            """Window `k` once read, with its first pixel batches started (when overlapping)."""
+            loaded = reader.take(k)
+            good = [item for item in loaded if isinstance(item, Prepared)]
+            return loaded, PixelFeed(window_images(good), options.batch_size, feeder) if depth else None
 
         try:
-            upcoming: tuple[list[Prepared | BadSampleError], PixelFeed | None] | Exception | None = None
+            upcoming: Future[tuple[list[Prepared | BadSampleError], PixelFeed | None]] | None = None
             for k, window in enumerate(windows):
-                if isinstance(upcoming, Exception):
-                    raise upcoming
-                loaded, feed = upcoming or (reader.take(k), None)
+                # The next window is awaited on the planner's thread while this one encodes: its reads raise
+                # here, in their turn, once the windows before it are written.
+                loaded, feed = upcoming.result() if upcoming else take(k)
+                upcoming = planner.submit(take, k + 1) if depth and k + 1 < len(windows) else None
                 bad = [(item, p) for item, p in zip(loaded, window) if isinstance(item, BadSampleError)]
                 if bad and options.on_bad_sample == "stop":
                     raise bad[0][0]
                 good = [item for item in loaded if isinstance(item, Prepared)]
-                feed = feed or pixel_feed(good)
-                upcoming = None
-                if depth and k + 1 < len(windows):  # the next window's first pixels, made while this one encodes
-                    try:
-                        following = reader.take(k + 1)
-                    except Exception as error:  # raised in its turn, once this window is written
-                        upcoming = error
-                    else:
-                        upcoming = following, pixel_feed([item for item in following if isinstance(item, Prepared)])
                 encoded = encode_window(good, image_encoder, text_encoder, options.batch_size, factor, feed, stopwatch)
                 for sample in encoded:
                     if sample.prompt_truncations:
@@ -380,6 +382,7 @@ def _encode_slice(
                     progress(done.already + sum(len(w) for w in windows[:reported]), len(mine))
             writer.drain()
         except BaseException:
+            planner.shutdown(cancel_futures=True)  # before the reads are dropped: it may be waiting on them
             reader.cancel()
             writer.abandon()
             raise

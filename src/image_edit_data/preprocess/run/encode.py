@@ -9,6 +9,10 @@ when it has none, its context images as read (a diffusers edit pipeline conditio
 the input images it is given, and resizes them itself). A text-to-image row (no context) with no
 condition gets none, and its encoder encodes the prompt as the model's text-to-image pipeline does.
 A sample's mask becomes its `edit_mask` (`mask.py`).
+
+A build that overlaps reading with encoding reads each image and leaves its resize to the pixel threads
+(`Unresized`): a window's batches need only the sizes the policy gives, so the encoder starts on a window
+once its images are decoded, and resizing runs on the threads that make pixels just ahead of the encoder.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -28,26 +33,56 @@ from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, TextEnc
 from ..sources.base import MISALIGNED_IMAGE, NO_CONTEXT, BadSampleError, EditSource, SourceRecord
 from .mask import latent_mask
 from .overlap import Stopwatch
-from .resize import ResizePolicy, to_pixels
+from .resize import ResizePolicy, pixel_batch, pixel_rows, put_pixels
 from .writer import EncodedSample
 
 
 @dataclass(frozen=True)
+class Unresized:
+    """An image as read, with the size its resize policy gives it: resized when its pixels are made (`ready`)."""
+
+    image: Image.Image
+    size: tuple[int, int]  # (width, height) once resized
+    policy: ResizePolicy
+    factor: int
+
+    def resized(self) -> Image.Image:
+        """The image at `size` (the policy's resize, done now)."""
+        return self.policy.apply(self.image, self.factor)
+
+
+EncoderImage = Image.Image | Unresized  # an encoder-ready image, or one that becomes it when its pixels are made
+
+
+def ready(image: EncoderImage) -> Image.Image:
+    """`image` at its encoder-ready size."""
+    return image.resized() if isinstance(image, Unresized) else image
+
+
+@dataclass(frozen=True)
 class Prepared:
-    """A source record with its images at encoder-ready sizes."""
+    """A source record with its images at encoder-ready sizes (or with those sizes known: `Unresized`)."""
 
     source: SourceRecord
-    target: Image.Image
-    contexts: tuple[Image.Image, ...]
+    target: EncoderImage
+    contexts: tuple[EncoderImage, ...]
     original_pixel_shapes: Mapping[str, Any]
     conditions: tuple[Image.Image, ...] = ()  # as read, for a prompt encoder
     edit_mask: torch.Tensor | None = None  # float32 [H / f, W / f] over the target's latent cells
 
 
 def prepare(
-    source: EditSource, position: int, policy: ResizePolicy, factor: int, allow_no_context: bool = False
+    source: EditSource,
+    position: int,
+    policy: ResizePolicy,
+    factor: int,
+    allow_no_context: bool = False,
+    defer_resize: bool = False,
 ) -> Prepared | BadSampleError:
-    """Read and resize one example, or return why it is bad (without contexts, unless `allow_no_context`)."""
+    """Read and resize one example, or return why it is bad (without contexts, unless `allow_no_context`).
+
+    With `defer_resize` its images are `Unresized`: their sizes are checked and known, the resizing is left to
+    whoever makes their pixels (`PixelFeed`)."""
     try:
         record = source.read(position)
     except BadSampleError as error:
@@ -57,10 +92,13 @@ def prepare(
         hint = "a text-to-image row: build with allow_no_context (--allow-no-context) to write it"
         return BadSampleError(record.location, NO_CONTEXT, f"{record.missing_context} ({hint})")
     named = [("target image", sample.target), *((f"context image {i}", c) for i, c in enumerate(sample.contexts))]
-    images = []
+    images: list[EncoderImage] = []
     for what, image in named:
         try:
-            images.append(policy.apply(image, factor))
+            if defer_resize:
+                images.append(Unresized(image, policy.output_size(image.size, factor), policy, factor))
+            else:
+                images.append(policy.apply(image, factor))
         except ValueError as error:
             return BadSampleError(record.location, MISALIGNED_IMAGE, f"{what} {error}")
     edit_mask = None
@@ -84,7 +122,7 @@ def _name(encoder: Any) -> str:
     return f"{type(encoder).__module__}.{type(encoder).__qualname__}"
 
 
-def image_chunks(images: Sequence[Image.Image], batch_size: int) -> list[tuple[tuple[int, int], list[int]]]:
+def image_chunks(images: Sequence[EncoderImage], batch_size: int) -> list[tuple[tuple[int, int], list[int]]]:
     """Same-sized batches of `images`' indices: sizes sorted, then input order (the window's fixed batches)."""
     slots: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, image in enumerate(images):
@@ -96,7 +134,7 @@ def image_chunks(images: Sequence[Image.Image], batch_size: int) -> list[tuple[t
     ]
 
 
-def window_images(prepared: Sequence[Prepared]) -> list[Image.Image]:
+def window_images(prepared: Sequence[Prepared]) -> list[EncoderImage]:
     """The images a window encodes, in its order: each sample's target, then its contexts."""
     return [image for p in prepared for image in (p.target, *p.contexts)]
 
@@ -105,32 +143,52 @@ class PixelFeed:
     """The pixel tensors of one window's batches, made on the feeder `ahead` batches before the encoder takes them.
 
     Made for the next window while this one encodes, it has that window's first batches ready when the
-    encoder gets there, so the encoder never waits for a window's first pixels. At most `ahead` batches are
-    held: at batch size 8 and a megapixel, 4 x 8 x 12 MB of float32.
+    encoder gets there, so the encoder never waits for a window's first pixels. Each image is resized (when
+    `Unresized`) and turned into pixels by a task of its own, so one batch's images are made on all the
+    feeder's threads at once. At most `ahead` batches are held: at batch size 8 and a megapixel, 4 x 8 x 12 MB
+    of float32.
     """
 
-    def __init__(self, images: Sequence[Image.Image], batch_size: int, feeder: Executor, ahead: int = 4) -> None:
+    def __init__(self, images: Sequence[EncoderImage], batch_size: int, feeder: Executor, ahead: int = 4) -> None:
         self.chunks = image_chunks(images, batch_size)
-        self._batches = [[images[i] for i in chunk] for _, chunk in self.chunks]
+        self._images = images
         self._feeder = feeder
         self._ahead = ahead
-        self._futures: dict[int, Future[torch.Tensor]] = {}
+        self._pending: dict[int, tuple[np.ndarray, list[Future[None]]]] = {}
         self._next = 0  # the first batch not submitted yet
         self._submit_through(ahead - 1)
 
     def _submit_through(self, last: int) -> None:
-        while self._next <= min(last, len(self._batches) - 1):
-            self._futures[self._next] = self._feeder.submit(to_pixels, self._batches[self._next])
+        while self._next <= min(last, len(self.chunks) - 1):
+            size, chunk = self.chunks[self._next]
+            rows = pixel_rows(len(chunk), size)
+            tasks = [self._feeder.submit(_make_pixels, self._images[i], rows[k]) for k, i in enumerate(chunk)]
+            self._pending[self._next] = rows, tasks
             self._next += 1
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for number in range(len(self._batches)):
+        for number in range(len(self.chunks)):
             self._submit_through(number + self._ahead)
-            yield self._futures.pop(number).result()
+            rows, tasks = self._pending.pop(number)
+            for task in tasks:
+                task.result()
+            yield pixel_batch(rows)
+
+
+def _make_pixels(image: EncoderImage, row: np.ndarray) -> None:
+    put_pixels(ready(image), row)
+
+
+def _pixels(images: Sequence[EncoderImage]) -> torch.Tensor:
+    """One batch's pixels, made on this thread."""
+    rows = pixel_rows(len(images), images[0].size)
+    for image, row in zip(images, rows):
+        _make_pixels(image, row)
+    return pixel_batch(rows)
 
 
 def encode_images(
-    images: Sequence[Image.Image],
+    images: Sequence[EncoderImage],
     encoder: ImageEncoder,
     batch_size: int,
     factor: int,
@@ -145,7 +203,7 @@ def encode_images(
     the encoder's thread, the writer copies it out (an encoder returns new tensors per call, see `ImageEncoder`).
     """
     chunks = feed.chunks if feed is not None else image_chunks(images, batch_size)
-    pixels = iter(feed) if feed is not None else (to_pixels([images[i] for i in chunk]) for _, chunk in chunks)
+    pixels = iter(feed) if feed is not None else (_pixels([images[i] for i in chunk]) for _, chunk in chunks)
     latents: list[torch.Tensor | None] = [None] * len(images)
     for ((width, height), chunk), batch in zip(chunks, pixels):
         with stopwatch or contextlib.nullcontext():

@@ -149,10 +149,25 @@ def to_pixels(images: list[Image.Image]) -> torch.Tensor:
     (the encoder's thread is not held up) and without torch's thread pool (whose threads would spin beside
     the build's readers).
     """
-    width, height = images[0].size
-    out = np.empty((len(images), height, width, 3), dtype=np.float32)
+    rows = pixel_rows(len(images), images[0].size)
     for k, image in enumerate(images):
-        rgb = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
-        np.divide(rgb, np.float32(127.5), out=out[k], dtype=np.float32)
-        np.subtract(out[k], np.float32(1.0), out=out[k])
-    return torch.from_numpy(out).permute(0, 3, 1, 2)
+        put_pixels(image, rows[k])
+    return pixel_batch(rows)
+
+
+def pixel_rows(count: int, size: tuple[int, int]) -> np.ndarray:
+    """Room for `count` images of `size` (width, height): float32 `[B, H, W, 3]`, filled by `put_pixels`."""
+    width, height = size
+    return np.empty((count, height, width, 3), dtype=np.float32)
+
+
+def put_pixels(image: Image.Image, row: np.ndarray) -> None:
+    """Write `image`'s pixels into its `row` of `pixel_rows` (any thread: the ufuncs release the GIL)."""
+    rgb = np.asarray(image if image.mode == "RGB" else image.convert("RGB"))
+    np.divide(rgb, np.float32(127.5), out=row, dtype=np.float32)
+    np.subtract(row, np.float32(1.0), out=row)
+
+
+def pixel_batch(rows: np.ndarray) -> torch.Tensor:
+    """The filled `pixel_rows` as the encoders' `[B, 3, H, W]` tensor (a view: nothing is copied)."""
+    return torch.from_numpy(rows).permute(0, 3, 1, 2)
