@@ -19,7 +19,7 @@ from PIL import Image
 from support.builds import DEMO_SPECS, torch_threads, write_manifest
 from support.pipelines import QWEN, edit_manifest
 
-from image_edit_data.preprocess.encoders.demo import DemoImageEncoder
+from image_edit_data.preprocess.encoders.demo import DemoImageEncoder, DemoTextEncoder
 from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
 from image_edit_data.preprocess.run.encode import Prepared, Unresized, prepare, ready
 from image_edit_data.preprocess.run.journal import journal_path
@@ -277,3 +277,42 @@ def test_the_encoder_starts_a_window_without_waiting_for_the_next_one_to_be_read
     image = {"class_path": f"{__name__}.StartingImageEncoder", "init_args": {}}
     report = build_cache(tmp_path / "c", source, image, DEMO_SPECS[1], BuildOptions(resize=RESIZE, batch_size=1))
     assert report.written == 12 and Held.timed_out == []
+
+
+class FirstPrompts:
+    calls = threading.Event()
+    timed_out: list[int] = []
+
+
+class PromptHeldSource(JsonlManifestSource):
+    """A manifest source whose reads past the first prompt batch (positions 2-7 of the first window at batch
+    size 2) wait, up to 10 s, for the text encoder's first call; `FirstPrompts.timed_out` lists those in vain."""
+
+    def read(self, position: int) -> Any:
+        if 2 <= position < 8 and not FirstPrompts.calls.wait(10):
+            FirstPrompts.timed_out.append(position)
+        return super().read(position)
+
+
+class SignallingTextEncoder(DemoTextEncoder):
+    """The demo text encoder, which lets `PromptHeldSource` read on at its first call."""
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        FirstPrompts.calls.set()
+        return super().encode(prompts)
+
+
+def test_the_first_windows_prompts_are_encoded_as_its_samples_are_read_and_the_cache_is_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing overlaps the first window's reading, so its prompt batches start as their samples arrive."""
+    monkeypatch.setattr(FirstPrompts, "calls", threading.Event())
+    monkeypatch.setattr(FirstPrompts, "timed_out", [])
+    manifest = write_manifest(tmp_path / "raw", rows=13)
+    text = {"class_path": f"{__name__}.SignallingTextEncoder", "init_args": {"dim": 8}}
+    options = BuildOptions(resize=RESIZE, batch_size=2)  # windows of 8 samples, prompts 2 at a time
+    build_cache(tmp_path / "held", PromptHeldSource(manifest), DEMO_SPECS[0], text, options)
+    assert FirstPrompts.timed_out == []
+    serial = BuildOptions(resize=RESIZE, batch_size=2, read_ahead=0)
+    build_cache(tmp_path / "serial", JsonlManifestSource(manifest), DEMO_SPECS[0], text, serial)
+    assert every_file(tmp_path / "held") == every_file(tmp_path / "serial")

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ...payload.payload import PayloadFormat
-from ..encoders.base import ImageEncoder, PromptEncoder, PromptTruncationWarning, TextEncoder
+from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, PromptTruncationWarning, TextEncoder
 from ..sources.base import BadSampleError, EditSource, row_index_of
-from .encode import PixelFeed, Prepared, encode_window, prepare, window_images
+from .encode import PixelFeed, Prepared, encode_window, prepare, read_encoding_prompts, window_images
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .overlap import ReadAhead, Stopwatch, WriteBehind, lower_priority
@@ -42,6 +42,8 @@ WINDOW_BATCHES = 4
 # Threads that resize the next batches' images and make their pixels while the encoder works (`PixelFeed`): with
 # two, the encoder waited for them at batch size 8 on two cores.
 PIXEL_THREADS = 3
+# Encoded samples that may wait for the disk behind the encoder (about 4 MB each with Qwen-Image's prompt embeddings).
+WRITE_BEHIND = 64
 # Rank 0 acts on failure markers written up to this long before it started. Older ones are taken
 # as left over from an earlier launch (each rank also deletes its own marker when it starts).
 FAILURE_GRACE = 60.0
@@ -340,28 +342,45 @@ def _encode_slice(
         ThreadPoolExecutor(1, thread_name_prefix="build-plan") as planner,
     ):
         reader = ReadAhead(pool, windows, read, depth)
-        # Two windows may wait for the disk while a third encodes; none when nothing overlaps.
-        writer = WriteBehind(pool, backlog=2 if depth else 0)
+        # Up to WRITE_BEHIND samples (at least two windows) may wait for the disk; none when nothing overlaps.
+        writer = WriteBehind(pool, backlog=max(2, WRITE_BEHIND // window_size) if depth else 0)
         reported = 0
 
-        def take(k: int) -> tuple[list[Prepared | BadSampleError], PixelFeed | None]:
-            """Window `k` once read, with its first pixel batches started (when overlapping)."""
-            loaded = reader.take(k)
+        def pixel_feed(loaded: list[Prepared | BadSampleError]) -> PixelFeed:
+            """The pixels of a window's good samples, their first batches started now."""
             good = [item for item in loaded if isinstance(item, Prepared)]
-            return loaded, PixelFeed(window_images(good), options.batch_size, feeder) if depth else None
+            return PixelFeed(window_images(good), options.batch_size, feeder)
+
+        def take(k: int) -> tuple[list[Prepared | BadSampleError], PixelFeed]:
+            """Window `k` once read, with its first pixel batches started."""
+            loaded = reader.take(k)
+            return loaded, pixel_feed(loaded)
 
         try:
-            upcoming: Future[tuple[list[Prepared | BadSampleError], PixelFeed | None]] | None = None
+            upcoming: Future[tuple[list[Prepared | BadSampleError], PixelFeed]] | None = None
             for k, window in enumerate(windows):
-                # The next window is awaited on the planner's thread while this one encodes: its reads raise
-                # here, in their turn, once the windows before it are written.
-                loaded, feed = upcoming.result() if upcoming else take(k)
-                upcoming = planner.submit(take, k + 1) if depth and k + 1 < len(windows) else None
+                following = bool(depth) and k + 1 < len(windows)
+                feed: PixelFeed | None = None
+                prompts: list[PromptEncoding] = []
+                if upcoming is not None:
+                    # Awaited on the planner's thread while the window before encoded: its reads raise here, in
+                    # their turn, once the windows before it are written.
+                    loaded, feed = upcoming.result()
+                    upcoming = planner.submit(take, k + 1) if following else None
+                elif depth:  # the first window, which nothing overlaps: its prompts are encoded as it is read
+                    reads = reader.futures(k)
+                    upcoming = planner.submit(take, k + 1) if following else None  # after this window's reads
+                    loaded, prompts = read_encoding_prompts(reads, text_encoder, options.batch_size, stopwatch)
+                    feed = pixel_feed(loaded)
+                else:
+                    loaded = reader.take(k)
                 bad = [(item, p) for item, p in zip(loaded, window) if isinstance(item, BadSampleError)]
                 if bad and options.on_bad_sample == "stop":
                     raise bad[0][0]
                 good = [item for item in loaded if isinstance(item, Prepared)]
-                encoded = encode_window(good, image_encoder, text_encoder, options.batch_size, factor, feed, stopwatch)
+                encoded = encode_window(
+                    good, image_encoder, text_encoder, options.batch_size, factor, feed, stopwatch, prompts
+                )
                 for sample in encoded:
                     if sample.prompt_truncations:
                         done.truncated += 1

@@ -2,7 +2,9 @@
 
 Targets and contexts of every sample in the window go into one pool, grouped by (width, height), so
 the image encoder only ever sees same-sized batches. Batches are formed in a fixed order (sizes
-sorted, then sample and slot order), so the same window always gives the same batches.
+sorted, then sample and slot order), so the same window always gives the same batches. A window's
+prompts are encoded before its images: their calls need no pixels, so the threads making a window's
+pixels get that long a start.
 
 A `PromptEncoder` also gets each sample's condition images, unresized: its `condition` images, or,
 when it has none, its context images as read (a diffusers edit pipeline conditions its prompt on
@@ -10,9 +12,9 @@ the input images it is given, and resizes them itself). A text-to-image row (no 
 condition gets none, and its encoder encodes the prompt as the model's text-to-image pipeline does.
 A sample's mask becomes its `edit_mask` (`mask.py`).
 
-A build that overlaps reading with encoding reads each image and leaves its resize to the pixel threads
-(`Unresized`): a window's batches need only the sizes the policy gives, so the encoder starts on a window
-once its images are decoded, and resizing runs on the threads that make pixels just ahead of the encoder.
+An image may be read and sized without being resized yet (`Unresized`): a window's batches need only the
+sizes the policy gives, and the resize is then done by whoever makes its pixels. A build that overlaps
+reading with encoding does so for its first window, so the encoder starts once that window is decoded.
 """
 
 from __future__ import annotations
@@ -255,6 +257,39 @@ def encode_prompts(
     return results
 
 
+def prompts_of(
+    prepared: Sequence[Prepared],
+    encoder: TextEncoder | PromptEncoder,
+    batch_size: int,
+    stopwatch: Stopwatch | None = None,
+) -> list[PromptEncoding]:
+    """The prompt encodings of `prepared`, with their condition images (see `encode_prompts`)."""
+    prompts = [p.source.sample.prompt for p in prepared]
+    return encode_prompts(prompts, encoder, batch_size, [p.conditions for p in prepared], stopwatch)
+
+
+def read_encoding_prompts(
+    reads: Sequence[Future[Prepared | BadSampleError]],
+    encoder: TextEncoder | PromptEncoder,
+    batch_size: int,
+    stopwatch: Stopwatch | None = None,
+) -> tuple[list[Prepared | BadSampleError], list[PromptEncoding]]:
+    """A window's reads in order, and the prompt encodings of its good samples' whole batches, each encoded once
+    its samples are read: for a window nothing else overlaps (a build's first), the encoder starts before all of
+    it is read. The batches are those `encode_prompts` forms; the last, short one is left to `encode_window`."""
+    loaded: list[Prepared | BadSampleError] = []
+    waiting: list[Prepared] = []
+    encoded: list[PromptEncoding] = []
+    for read in reads:
+        loaded.append(read.result())
+        if isinstance(loaded[-1], Prepared):
+            waiting.append(loaded[-1])
+        if len(waiting) == batch_size:
+            encoded += prompts_of(waiting, encoder, batch_size, stopwatch)
+            waiting = []
+    return loaded, encoded
+
+
 def encode_window(
     prepared: Sequence[Prepared],
     image_encoder: ImageEncoder,
@@ -263,17 +298,15 @@ def encode_window(
     factor: int,
     feed: PixelFeed | None = None,
     stopwatch: Stopwatch | None = None,
+    encoded_prompts: Sequence[PromptEncoding] = (),
 ) -> list[EncodedSample]:
-    """Encode the images and prompts of `prepared`, keeping its order (see `encode_images` for the rest)."""
-    images = window_images(prepared)
-    latents = iter(encode_images(images, image_encoder, batch_size, factor, feed, stopwatch))
-    prompts = encode_prompts(
-        [p.source.sample.prompt for p in prepared],
-        text_encoder,
-        batch_size,
-        [p.conditions for p in prepared],
-        stopwatch,
-    )
+    """Encode the prompts, then the images of `prepared`, keeping its order (see `encode_images` for the rest).
+
+    `encoded_prompts` are those of the first samples, encoded already in whole batches (`read_encoding_prompts`).
+    """
+    rest = prepared[len(encoded_prompts) :]
+    prompts = [*encoded_prompts, *prompts_of(rest, text_encoder, batch_size, stopwatch)]
+    latents = iter(encode_images(window_images(prepared), image_encoder, batch_size, factor, feed, stopwatch))
     encoded = []
     for p, prompt in zip(prepared, prompts):
         if EDIT_MASK in prompt.conditioning:

@@ -56,11 +56,14 @@ class ReadAhead(Generic[T]):
             self._submitted[self._next] = [self.pool.submit(self.read, p) for p in self.windows[self._next]]
             self._next += 1
 
+    def futures(self, k: int) -> list[Future[T]]:
+        """Window `k`'s reads in position order (started now if they were not); windows up to `k + depth` start."""
+        self._submit_through(k + self.depth)
+        return self._submitted.pop(k)
+
     def take(self, k: int) -> list[T]:
         """Window `k`'s results in position order, once read; windows up to `k + depth` are read meanwhile."""
-        self._submit_through(k + self.depth)
-        futures = self._submitted.pop(k)
-        return [future.result() for future in futures]
+        return [future.result() for future in self.futures(k)]
 
     def cancel(self) -> None:
         """Drop the reads not started yet (those running finish on their own)."""
