@@ -5,8 +5,8 @@ nothing overlapped (`read_ahead=0`: read, encode, write each window in turn) and
 size, and prints the encoding phase's wall time over the encoders' time: the latencies the stand-ins were asked
 for, which a GPU would take (1.00 = encoder-bound). "in calls" is the time the build measured inside encoder
 calls, longer when a busy machine wakes the sleeping thread late. "after fill" leaves out the start, before the
-first encoder call, when the first window is read with nothing to overlap it (one window: 4 samples at batch 1,
-32 at batch 8): the rate a long build settles at.
+first encoder call, when the first prompt batch's samples are read with nothing to overlap them: the rate a long
+build settles at. Builds of one machine's run vary by a few hundredths: `--rounds 3` prints each row's median.
 
     python -m benchmarks.build_overlap                      # H100-class latencies, batch 1 and 8
     python -m benchmarks.build_overlap --vae-call-ms 50 --vae-image-ms 0 --text-call-ms 50 --text-prompt-ms 0

@@ -23,7 +23,7 @@ from image_edit_data.preprocess.encoders.demo import DemoImageEncoder, DemoTextE
 from image_edit_data.preprocess.run.build_cache import BuildOptions, build_cache
 from image_edit_data.preprocess.run.encode import Prepared, Unresized, prepare, ready
 from image_edit_data.preprocess.run.journal import journal_path
-from image_edit_data.preprocess.run.overlap import HELPER_NICENESS, lower_priority
+from image_edit_data.preprocess.run.overlap import HELPER_NICENESS, PIXEL_NICENESS, lower_priority
 from image_edit_data.preprocess.run.resize import ResizePolicy, to_pixels
 from image_edit_data.preprocess.run.writer import owned
 from image_edit_data.preprocess.sources.base import BadSampleError
@@ -189,19 +189,22 @@ def test_a_payload_saves_its_own_row_of_a_batch_and_a_tensor_of_its_own_is_not_c
     assert (tmp_path / "row.pt").stat().st_size < (tmp_path / "view.pt").stat().st_size  # the view saves all 4 rows
 
 
-def test_the_builds_helper_threads_run_below_the_encoders_thread() -> None:
-    """Linux gives each thread a priority of its own: the readers' and writers' yield a core to the encoders'."""
+def test_the_builds_helper_threads_run_below_the_encoders_thread_and_the_pixel_threads_between() -> None:
+    """Linux gives each thread a priority of its own: the readers' and writers' yield a core to the pixel threads',
+    and both to the encoders'."""
     seen: list[int] = []
 
-    def helper() -> None:
-        lower_priority()
+    def helper(*steps: int) -> None:
+        lower_priority(*steps)
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    thread = threading.Thread(target=helper)
-    thread.start()
-    thread.join()
-    assert seen == [min(19, base + HELPER_NICENESS)]
+    for steps in ((), (PIXEL_NICENESS,)):
+        thread = threading.Thread(target=helper, args=steps)
+        thread.start()
+        thread.join()
+    assert seen == [min(19, base + HELPER_NICENESS), min(19, base + PIXEL_NICENESS)]
+    assert base < seen[1] < seen[0] or base >= 14, "a process already near 19 has no room for three levels"
     assert os.getpriority(os.PRIO_PROCESS, 0) == base, "the calling thread keeps its priority"
 
 

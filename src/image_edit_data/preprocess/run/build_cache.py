@@ -30,7 +30,7 @@ from ..sources.base import BadSampleError, EditSource, row_index_of
 from .encode import PixelFeed, Prepared, encode_window, prepare, read_encoding_prompts, window_images
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
-from .overlap import ReadAhead, Stopwatch, WriteBehind, lower_priority
+from .overlap import PIXEL_NICENESS, ReadAhead, Stopwatch, WriteBehind, lower_priority
 from .rank_meeting import meet
 from .resize import ResizePolicy
 from .writer import EncodedSample, StoreDtype, remove_stale_temporaries, write_sample
@@ -337,7 +337,9 @@ def _encode_slice(
 
     with (
         ThreadPoolExecutor(options.num_workers, thread_name_prefix="build-io", initializer=lower_priority) as pool,
-        ThreadPoolExecutor(PIXEL_THREADS, thread_name_prefix="build-pixels", initializer=lower_priority) as feeder,
+        ThreadPoolExecutor(
+            PIXEL_THREADS, thread_name_prefix="build-pixels", initializer=lower_priority, initargs=(PIXEL_NICENESS,)
+        ) as feeder,
         # Not lowered: the encoders' thread waits on it at each window's start, and it mostly waits itself.
         ThreadPoolExecutor(1, thread_name_prefix="build-plan") as planner,
     ):

@@ -10,7 +10,9 @@ journal reads line for line as a serial build's.
 
 The pool's threads run at a lower CPU priority than the encoders' thread (`lower_priority`): on a
 machine whose cores the build's own work keeps busy, the encoders' thread then gets a core the moment
-an encoder call returns, rather than after a reader's time slice.
+an encoder call returns, rather than after a reader's time slice. The threads making the pixels the
+encoders take next run between the two (`PIXEL_NICENESS`): they get a core before the readers of later
+windows do.
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 # How much lower the build's helper threads run than the encoders' thread (nice steps; Linux gives each thread its own).
 HELPER_NICENESS = 10
+# ... and the threads making the next pixel batches: with the readers' priority, the first window's resizing (on
+# those threads) queued behind the reading of the next windows, and the encoder waited 0.6 s for it at batch 8.
+PIXEL_NICENESS = 5
 
 
-def lower_priority() -> None:
-    """Run this thread `HELPER_NICENESS` steps below the process (a pool initializer). Only on Linux, where a
+def lower_priority(steps: int = HELPER_NICENESS) -> None:
+    """Run this thread `steps` nice steps below the process (a pool initializer). Only on Linux, where a
     thread's id names it to `setpriority`; elsewhere nothing changes."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError):
-        niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + HELPER_NICENESS)
+        niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + steps)
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
