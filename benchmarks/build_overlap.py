@@ -11,6 +11,7 @@ build settles at. Builds of one machine's run vary by a few hundredths: `--round
     python -m benchmarks.build_overlap                      # H100-class latencies, batch 1 and 8
     python -m benchmarks.build_overlap --vae-call-ms 50 --vae-image-ms 0 --text-call-ms 50 --text-prompt-ms 0
     python -m benchmarks.build_overlap readers              # threads against processes for reading and resizing
+    python -m benchmarks.build_overlap wakes                # how late a sleeping thread wakes beside one build step
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from benchmarks import build_standins
 from benchmarks.build_data import edit_manifest
@@ -48,7 +53,7 @@ def size_arg(text: str) -> tuple[int, int]:
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="build", choices=["build", "readers"])
+    parser.add_argument("what", nargs="?", default="build", choices=["build", "readers", "wakes"])
     parser.add_argument("--samples", type=int, default=192, help="Samples per build (a target and a context each).")
     parser.add_argument("--size", type=size_arg, default=(1216, 912), help="Raw image size, resized to 1 MP.")
     parser.add_argument("--image-format", default="jpeg", choices=["jpeg", "png", "webp"])
@@ -171,7 +176,53 @@ def run_readers(args: argparse.Namespace) -> None:
         )
 
 
+def late_wakes(step: Callable[[], object] | None, sleeps: int = 400, seconds: float = 0.01) -> list[float]:
+    """Milliseconds past each of `sleeps` sleeps of `seconds` that this thread resumed, with another thread doing
+    `step` over and over (1 ms apart) meanwhile: the wait for the GIL that the step holds, and for a core."""
+    stop = threading.Event()
+
+    def repeat() -> None:
+        while step is not None and not stop.is_set():
+            step()
+            time.sleep(0.001)
+
+    helper = threading.Thread(target=repeat)
+    helper.start()
+    time.sleep(0.2)
+    late = []
+    for _ in range(sleeps):
+        started = time.perf_counter()
+        time.sleep(seconds)
+        late.append(1000 * (time.perf_counter() - started - seconds))
+    stop.set()
+    helper.join()
+    return sorted(late)
+
+
+def run_wakes(args: argparse.Namespace) -> None:
+    """How late the encoders' thread resumes from a wait while another thread does one of the build's steps."""
+    from image_edit_data.payload.payload import save_payload
+
+    width, height = RESIZE.output_size(args.size, 8)
+    image = Image.new("RGB", (width, height))
+    embeddings = torch.zeros(250, 3584, dtype=torch.bfloat16)
+    folder = Path(tempfile.mkdtemp(prefix="wakes-", dir=args.data))
+    steps: dict[str, Callable[[], object] | None] = {
+        "nothing": None,
+        "save a payload (torch.save)": lambda: save_payload(folder / "p.pt", {"prompt_embeds": embeddings}),
+        "an image to an array": lambda: np.asarray(image),
+        "resize an image": lambda: image.resize((width - 32, height - 32), Image.Resampling.LANCZOS),
+    }
+    sys.stdout.write(f"10 ms sleeps, 400 each; image {width}x{height}; {os.cpu_count()} CPUs\n")
+    sys.stdout.write(f"{'beside':>28} {'mean ms':>8} {'median':>7} {'p90':>6} {'p99':>6}\n")
+    for name, step in steps.items():
+        late = late_wakes(step)
+        mean, median, p90, p99 = statistics.mean(late), late[len(late) // 2], late[360], late[396]
+        sys.stdout.write(f"{name:>28} {mean:>8.3f} {median:>7.3f} {p90:>6.3f} {p99:>6.3f}\n")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 if __name__ == "__main__":
     arguments = parse()
     arguments.data.mkdir(parents=True, exist_ok=True)
-    run_readers(arguments) if arguments.what == "readers" else run_builds(arguments)
+    {"readers": run_readers, "wakes": run_wakes, "build": run_builds}[arguments.what](arguments)

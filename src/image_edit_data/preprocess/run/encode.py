@@ -189,6 +189,14 @@ def _pixels(images: Sequence[EncoderImage]) -> torch.Tensor:
     return pixel_batch(rows)
 
 
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` detached, in CPU memory. One already there is returned as it is: each torch call on the encoders'
+    thread lets go of the GIL and waits to take it back from the build's other threads."""
+    if tensor.device.type == "cpu" and not tensor.requires_grad:
+        return tensor
+    return tensor.detach().cpu()
+
+
 def encode_images(
     images: Sequence[EncoderImage],
     encoder: ImageEncoder,
@@ -218,7 +226,7 @@ def encode_images(
                 f"{width // factor}] (spatial_factor {factor})"
             )
         for k, i in enumerate(chunk):
-            latents[i] = out[k].detach().cpu()  # a row of the batch: the writer copies it out (`writer.owned`)
+            latents[i] = on_host(out[k])  # a row of the batch: the writer copies it out (`writer.owned`)
     return [latent for latent in latents if latent is not None]
 
 
@@ -251,8 +259,8 @@ def encode_prompts(
                     f"text_encoder {_name(encoder)}: expected embeddings [S, D] and mask [S], "
                     f"got {list(embeddings.shape)} and {list(mask.shape)}"
                 )
-            conditioning = {name: t.detach().cpu() for name, t in item.conditioning.items()}
-            encoding = PromptEncoding(embeddings.detach().cpu(), mask.detach().cpu(), conditioning, item.truncations)
+            conditioning = {name: on_host(t) for name, t in item.conditioning.items()}
+            encoding = PromptEncoding(on_host(embeddings), on_host(mask), conditioning, item.truncations)
             results.append(encoding)
     return results
 
