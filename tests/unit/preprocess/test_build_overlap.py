@@ -244,78 +244,70 @@ def test_the_first_window_is_resized_on_the_pixel_threads_and_the_rest_when_read
     assert threads == {"build-pixels": sum(images[:4]), "build-io": sum(images[4:])}
 
 
-class HeldSource(JsonlManifestSource):
-    """A manifest source whose second window (positions 4-7 at batch size 1) is read only once the encoder has
-    started on the first; `Held.timed_out` lists the reads that waited 10 s in vain."""
+class Gate:
+    """Positions a `GatedSource` reads only once an encoder was called (waiting up to 10 s each), and those that
+    waited in vain."""
 
-    def read(self, position: int) -> Any:
-        if 4 <= position < 8 and not Held.first_call.wait(10):
-            Held.timed_out.append(position)
-        return super().read(position)
-
-
-class Held:
-    first_call = threading.Event()
+    opened = threading.Event()
+    held: range = range(0)
     timed_out: list[int] = []
 
 
-class StartingImageEncoder(DemoImageEncoder):
-    """The demo encoder, which lets `HeldSource` read on at its first call."""
+class GatedSource(JsonlManifestSource):
+    """A manifest source whose reads of `Gate.held` wait for an encoder's first call."""
+
+    def read(self, position: int) -> Any:
+        if position in Gate.held and not Gate.opened.wait(10):
+            Gate.timed_out.append(position)
+        return super().read(position)
+
+
+class OpeningImageEncoder(DemoImageEncoder):
+    """The demo image encoder, which opens the `Gate` at its first call."""
 
     def __init__(self, latent_channels: int = 4) -> None:
         super().__init__(latent_channels)
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        Held.first_call.set()
+        Gate.opened.set()
         return super().encode(images)
+
+
+class OpeningTextEncoder(DemoTextEncoder):
+    """The demo text encoder, which opens the `Gate` at its first call."""
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        Gate.opened.set()
+        return super().encode(prompts)
+
+
+def gate(monkeypatch: pytest.MonkeyPatch, held: range) -> None:
+    monkeypatch.setattr(Gate, "opened", threading.Event())
+    monkeypatch.setattr(Gate, "held", held)
+    monkeypatch.setattr(Gate, "timed_out", [])
 
 
 def test_the_encoder_starts_a_window_without_waiting_for_the_next_one_to_be_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The next window is awaited on a thread of its own, not before the encoder takes this one."""
-    monkeypatch.setattr(Held, "first_call", threading.Event())
-    monkeypatch.setattr(Held, "timed_out", [])
-    source = HeldSource(write_manifest(tmp_path / "raw", rows=12))
-    image = {"class_path": f"{__name__}.StartingImageEncoder", "init_args": {}}
+    gate(monkeypatch, range(4, 8))  # the second window at batch size 1: read once the image encoder has started
+    source = GatedSource(write_manifest(tmp_path / "raw", rows=12))
+    image = {"class_path": f"{__name__}.OpeningImageEncoder", "init_args": {}}
     report = build_cache(tmp_path / "c", source, image, DEMO_SPECS[1], BuildOptions(resize=RESIZE, batch_size=1))
-    assert report.written == 12 and Held.timed_out == []
-
-
-class FirstPrompts:
-    calls = threading.Event()
-    timed_out: list[int] = []
-
-
-class PromptHeldSource(JsonlManifestSource):
-    """A manifest source whose reads past the first prompt batch (positions 2-7 of the first window at batch
-    size 2) wait, up to 10 s, for the text encoder's first call; `FirstPrompts.timed_out` lists those in vain."""
-
-    def read(self, position: int) -> Any:
-        if 2 <= position < 8 and not FirstPrompts.calls.wait(10):
-            FirstPrompts.timed_out.append(position)
-        return super().read(position)
-
-
-class SignallingTextEncoder(DemoTextEncoder):
-    """The demo text encoder, which lets `PromptHeldSource` read on at its first call."""
-
-    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        FirstPrompts.calls.set()
-        return super().encode(prompts)
+    assert report.written == 12 and Gate.timed_out == []
 
 
 def test_the_first_windows_prompts_are_encoded_as_its_samples_are_read_and_the_cache_is_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Nothing overlaps the first window's reading, so its prompt batches start as their samples arrive."""
-    monkeypatch.setattr(FirstPrompts, "calls", threading.Event())
-    monkeypatch.setattr(FirstPrompts, "timed_out", [])
+    gate(monkeypatch, range(2, 8))  # the first window past its first prompt batch, at batch size 2
     manifest = write_manifest(tmp_path / "raw", rows=13)
-    text = {"class_path": f"{__name__}.SignallingTextEncoder", "init_args": {"dim": 8}}
+    text = {"class_path": f"{__name__}.OpeningTextEncoder", "init_args": {"dim": 8}}
     options = BuildOptions(resize=RESIZE, batch_size=2)  # windows of 8 samples, prompts 2 at a time
-    build_cache(tmp_path / "held", PromptHeldSource(manifest), DEMO_SPECS[0], text, options)
-    assert FirstPrompts.timed_out == []
+    build_cache(tmp_path / "held", GatedSource(manifest), DEMO_SPECS[0], text, options)
+    assert Gate.timed_out == []
     serial = BuildOptions(resize=RESIZE, batch_size=2, read_ahead=0)
     build_cache(tmp_path / "serial", JsonlManifestSource(manifest), DEMO_SPECS[0], text, serial)
     assert every_file(tmp_path / "held") == every_file(tmp_path / "serial")

@@ -35,7 +35,7 @@ from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, TextEnc
 from ..sources.base import MISALIGNED_IMAGE, NO_CONTEXT, BadSampleError, EditSource, SourceRecord
 from .mask import latent_mask
 from .overlap import Stopwatch
-from .resize import ResizePolicy, pixel_batch, pixel_rows, put_pixels
+from .resize import ResizePolicy, pixel_batch, pixel_rows, put_pixels, to_pixels
 from .writer import EncodedSample
 
 
@@ -181,14 +181,6 @@ def _make_pixels(image: EncoderImage, row: np.ndarray) -> None:
     put_pixels(ready(image), row)
 
 
-def _pixels(images: Sequence[EncoderImage]) -> torch.Tensor:
-    """One batch's pixels, made on this thread."""
-    rows = pixel_rows(len(images), images[0].size)
-    for image, row in zip(images, rows):
-        _make_pixels(image, row)
-    return pixel_batch(rows)
-
-
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` detached, in CPU memory. One already there is returned as it is: each torch call on the encoders'
     thread lets go of the GIL and waits to take it back from the build's other threads."""
@@ -213,7 +205,7 @@ def encode_images(
     the encoder's thread, the writer copies it out (an encoder returns new tensors per call, see `ImageEncoder`).
     """
     chunks = feed.chunks if feed is not None else image_chunks(images, batch_size)
-    pixels = iter(feed) if feed is not None else (_pixels([images[i] for i in chunk]) for _, chunk in chunks)
+    pixels = iter(feed) if feed is not None else (to_pixels([ready(images[i]) for i in chunk]) for _, chunk in chunks)
     latents: list[torch.Tensor | None] = [None] * len(images)
     for ((width, height), chunk), batch in zip(chunks, pixels):
         with stopwatch or contextlib.nullcontext():
