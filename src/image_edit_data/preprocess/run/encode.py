@@ -20,6 +20,7 @@ reading with encoding does so for its first window, so the encoder starts once t
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
@@ -156,29 +157,45 @@ class PixelFeed:
         self._images = images
         self._feeder = feeder
         self._ahead = ahead
-        self._pending: dict[int, tuple[np.ndarray, list[Future[None]]]] = {}
+        self._pending: dict[int, tuple[PixelBatch, list[Future[None]]]] = {}
         self._next = 0  # the first batch not submitted yet
         self._submit_through(ahead - 1)
 
     def _submit_through(self, last: int) -> None:
         while self._next <= min(last, len(self.chunks) - 1):
             size, chunk = self.chunks[self._next]
-            rows = pixel_rows(len(chunk), size)
-            tasks = [self._feeder.submit(_make_pixels, self._images[i], rows[k]) for k, i in enumerate(chunk)]
-            self._pending[self._next] = rows, tasks
+            batch = PixelBatch(pixel_rows(len(chunk), size))
+            tasks = [self._feeder.submit(batch.put, k, self._images[i]) for k, i in enumerate(chunk)]
+            self._pending[self._next] = batch, tasks
             self._next += 1
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for number in range(len(self.chunks)):
             self._submit_through(number + self._ahead)
-            rows, tasks = self._pending.pop(number)
+            batch, tasks = self._pending.pop(number)
             for task in tasks:
                 task.result()
-            yield pixel_batch(rows)
+            assert batch.tensor is not None  # set by its last image's task
+            yield batch.tensor
 
 
-def _make_pixels(image: EncoderImage, row: np.ndarray) -> None:
-    put_pixels(ready(image), row)
+class PixelBatch:
+    """One batch's pixels, an image per feeder task; the task that puts the last image makes the batch's tensor, so
+    the encoders' thread makes no torch call for it (each would let go of the GIL and wait to take it back)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        self.tensor: torch.Tensor | None = None
+        self._left = len(rows)
+        self._lock = threading.Lock()
+
+    def put(self, k: int, image: EncoderImage) -> None:
+        """Image `k` of the batch: resized if need be, its pixels in row `k`."""
+        put_pixels(ready(image), self.rows[k])
+        with self._lock:
+            self._left -= 1
+            if not self._left:
+                self.tensor = pixel_batch(self.rows)
 
 
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
