@@ -311,3 +311,31 @@ def test_the_first_windows_prompts_are_encoded_as_its_samples_are_read_and_the_c
     serial = BuildOptions(resize=RESIZE, batch_size=2, read_ahead=0)
     build_cache(tmp_path / "serial", JsonlManifestSource(manifest), DEMO_SPECS[0], text, serial)
     assert every_file(tmp_path / "held") == every_file(tmp_path / "serial")
+
+
+def test_progress_counts_each_window_once_its_journal_lines_are_written_and_a_rerun_starts_from_what_was_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = JsonlManifestSource(write_manifest(tmp_path / "raw", rows=10))
+    seen: list[tuple[int, int]] = []
+    serial = BuildOptions(resize=RESIZE, batch_size=1, read_ahead=0)  # each window journaled before the next
+    build_cache(tmp_path / "serial", source, *DEMO_SPECS, serial, on_progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(0, 10), (4, 10), (8, 10), (10, 10), (10, 10)]  # windows of 4 samples: 0-3, 4-7, 8-9
+    seen.clear()
+    options = BuildOptions(resize=RESIZE, batch_size=1)
+    original = build_module.write_sample
+
+    def write_sample(root: Path, sample: Any, *args: Any) -> dict[str, Any]:
+        if sample.source.position == 9:
+            raise OSError(28, "No space left on device")
+        return original(root, sample, *args)
+
+    monkeypatch.setattr(build_module, "write_sample", write_sample)
+    with pytest.raises(OSError):
+        build_cache(tmp_path / "c", source, *DEMO_SPECS, options, on_progress=lambda d, t: seen.append((d, t)))
+    # Windows 0-3 and 4-7 were written; each is counted once reported, in order (reports may lag a failure).
+    assert seen[0] == (0, 10) and seen == sorted(seen) and {d for d, _ in seen} <= {0, 4, 8}
+    monkeypatch.setattr(build_module, "write_sample", original)
+    seen.clear()
+    build_cache(tmp_path / "c", source, *DEMO_SPECS, options, on_progress=lambda d, t: seen.append((d, t)))
+    assert seen[0] == (8, 10) and seen[-1] == (10, 10) and {d for d, _ in seen} == {8, 10}

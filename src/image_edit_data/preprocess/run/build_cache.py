@@ -346,7 +346,7 @@ def _encode_slice(
         reader = ReadAhead(pool, windows, read, depth)
         # Up to WRITE_BEHIND samples (at least two windows) may wait for the disk; none when nothing overlaps.
         writer = WriteBehind(pool, backlog=max(2, WRITE_BEHIND // window_size) if depth else 0)
-        reported = 0
+        reported, reported_positions = 0, done.already  # windows whose journal lines are written, and positions
 
         def pixel_feed(loaded: list[Prepared | BadSampleError]) -> PixelFeed:
             """The pixels of a window's good samples, their first batches started now."""
@@ -398,9 +398,10 @@ def _encode_slice(
                     [functools.partial(write, e) for e in encoded],
                     functools.partial(finish, encoded=encoded, lines=skipped),
                 )
-                while reported < len(writer.finished):
+                while reported < len(writer.finished):  # a running count: a long build has many windows
+                    reported_positions += len(windows[reported])
                     reported += 1
-                    progress(done.already + sum(len(w) for w in windows[:reported]), len(mine))
+                    progress(reported_positions, len(mine))
             writer.drain()
         except BaseException:
             planner.shutdown(cancel_futures=True)  # before the reads are dropped: it may be waiting on them
