@@ -133,19 +133,25 @@ def test_with_no_read_ahead_only_the_window_being_encoded_has_been_read(
     assert seen[0] == 3  # the first window (positions 0-3) alone was read when encoding began
 
 
+def disk_full_at(monkeypatch: pytest.MonkeyPatch, position: int) -> Any:
+    """Make the build's payload write of `position` fail as a full disk does; returns the real `write_sample`."""
+    original = build_module.write_sample
+
+    def write_sample(root: Path, sample: Any, *args: Any) -> dict[str, Any]:
+        if sample.source.position == position:
+            raise OSError(28, "No space left on device")
+        return original(root, sample, *args)
+
+    monkeypatch.setattr(build_module, "write_sample", write_sample)
+    return original
+
+
 def test_a_failed_write_stops_the_build_with_earlier_windows_journaled_and_a_rerun_finishes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = JsonlManifestSource(write_manifest(tmp_path / "raw", rows=12))
     options = BuildOptions(resize=RESIZE, batch_size=1)  # windows of 4 samples
-    original = build_module.write_sample
-
-    def write_sample(root: Path, sample: Any, *args: Any) -> dict[str, Any]:
-        if sample.source.position == 6:
-            raise OSError(28, "No space left on device")
-        return original(root, sample, *args)
-
-    monkeypatch.setattr(build_module, "write_sample", write_sample)
+    original = disk_full_at(monkeypatch, 6)
     with pytest.raises(OSError, match="No space left on device"):
         build_cache(tmp_path / "c", source, *DEMO_SPECS, options)
     # The window before the failed one; neither the failed window nor the one after it, though it was written.
@@ -323,14 +329,7 @@ def test_progress_counts_each_window_once_its_journal_lines_are_written_and_a_re
     assert seen == [(0, 10), (4, 10), (8, 10), (10, 10), (10, 10)]  # windows of 4 samples: 0-3, 4-7, 8-9
     seen.clear()
     options = BuildOptions(resize=RESIZE, batch_size=1)
-    original = build_module.write_sample
-
-    def write_sample(root: Path, sample: Any, *args: Any) -> dict[str, Any]:
-        if sample.source.position == 9:
-            raise OSError(28, "No space left on device")
-        return original(root, sample, *args)
-
-    monkeypatch.setattr(build_module, "write_sample", write_sample)
+    original = disk_full_at(monkeypatch, 9)
     with pytest.raises(OSError):
         build_cache(tmp_path / "c", source, *DEMO_SPECS, options, on_progress=lambda d, t: seen.append((d, t)))
     # Windows 0-3 and 4-7 were written; each is counted once reported, in order (reports may lag a failure).
