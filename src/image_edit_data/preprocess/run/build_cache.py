@@ -28,6 +28,7 @@ from ...payload.payload import PayloadFormat
 from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, PromptTruncationWarning, TextEncoder
 from ..sources.base import BadSampleError, EditSource, row_index_of
 from .encode import PixelFeed, Prepared, encode_window, prepare, read_encoding_prompts, window_images
+from .gil_gate import GilGate
 from .journal import Journal, JournalReader, claim, clear_failure, write_failure
 from .merge import MergeReport, merge_index, wait_for_journals
 from .overlap import PIXEL_NICENESS, ReadAhead, Stopwatch, WriteBehind, lower_priority
@@ -316,7 +317,10 @@ def _encode_slice(
     windows = pending_windows(mine, todo, window_size)
     depth = math.ceil(options.read_ahead / window_size)
     started, done.encoding_started = time.monotonic(), time.time()
-    stopwatch = Stopwatch()
+    # Helpers hold back their longest holds of the GIL while the encoders' thread is about to need it; nothing to
+    # hold back from when nothing overlaps.
+    gate = GilGate() if depth else None
+    stopwatch = Stopwatch(gate)
     journal = Journal(root, rank)
 
     # The first window's images are resized by the pixel threads as the encoder takes their batches, so its first
@@ -328,7 +332,7 @@ def _encode_slice(
         return prepare(source, position, options.resize, factor, options.allow_no_context, defer_resize=defer)
 
     def write(sample: EncodedSample) -> dict[str, Any]:
-        return write_sample(root, sample, options.payload_format, options.token_patch_size, options.store_dtype)
+        return write_sample(root, sample, options.payload_format, options.token_patch_size, options.store_dtype, gate)
 
     def finish(records: list[dict[str, Any]], encoded: list[EncodedSample], lines: list[dict[str, Any]]) -> int:
         lines = lines + [{"position": e.source.position, "record": r} for e, r in zip(encoded, records)]
@@ -351,7 +355,7 @@ def _encode_slice(
         def pixel_feed(loaded: list[Prepared | BadSampleError]) -> PixelFeed:
             """The pixels of a window's good samples, their first batches started now."""
             good = [item for item in loaded if isinstance(item, Prepared)]
-            return PixelFeed(window_images(good), options.batch_size, feeder)
+            return PixelFeed(window_images(good), options.batch_size, feeder, gate=gate)
 
         def take(k: int) -> tuple[list[Prepared | BadSampleError], PixelFeed]:
             """Window `k` once read, with its first pixel batches started."""

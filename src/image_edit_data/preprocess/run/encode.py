@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,7 @@ from PIL import Image
 from ...contract.batch import EDIT_MASK
 from ..encoders.base import ImageEncoder, PromptEncoder, PromptEncoding, TextEncoder
 from ..sources.base import MISALIGNED_IMAGE, NO_CONTEXT, BadSampleError, EditSource, SourceRecord
+from .gil_gate import GilGate
 from .mask import latent_mask
 from .overlap import Stopwatch
 from .resize import ResizePolicy, pixel_batch, pixel_rows, put_pixels, to_pixels
@@ -149,11 +150,19 @@ class PixelFeed:
     encoder gets there, so the encoder never waits for a window's first pixels. Each image is resized (when
     `Unresized`) and turned into pixels by a task of its own, so one batch's images are made on all the
     feeder's threads at once. At most `ahead` batches are held: at batch size 8 and a megapixel, 4 x 8 x 12 MB
-    of float32.
+    of float32. With a `gate`, each image's pixels are made when it opens (see `gil_gate.py`).
     """
 
-    def __init__(self, images: Sequence[EncoderImage], batch_size: int, feeder: Executor, ahead: int = 4) -> None:
+    def __init__(
+        self,
+        images: Sequence[EncoderImage],
+        batch_size: int,
+        feeder: Executor,
+        ahead: int = 4,
+        gate: GilGate | None = None,
+    ) -> None:
         self.chunks = image_chunks(images, batch_size)
+        self._gate = gate
         self._images = images
         self._feeder = feeder
         self._ahead = ahead
@@ -164,7 +173,7 @@ class PixelFeed:
     def _submit_through(self, last: int) -> None:
         while self._next <= min(last, len(self.chunks) - 1):
             size, chunk = self.chunks[self._next]
-            batch = PixelBatch(pixel_rows(len(chunk), size))
+            batch = PixelBatch(pixel_rows(len(chunk), size), self._gate)
             tasks = [self._feeder.submit(batch.put, k, self._images[i]) for k, i in enumerate(chunk)]
             self._pending[self._next] = batch, tasks
             self._next += 1
@@ -183,15 +192,20 @@ class PixelBatch:
     """One batch's pixels, an image per feeder task; the task that puts the last image makes the batch's tensor, so
     the encoders' thread makes no torch call for it (each would let go of the GIL and wait to take it back)."""
 
-    def __init__(self, rows: np.ndarray) -> None:
+    def __init__(self, rows: np.ndarray, gate: GilGate | None = None) -> None:
         self.rows = rows
         self.tensor: torch.Tensor | None = None
+        self._gate = gate
         self._left = len(rows)
         self._lock = threading.Lock()
 
     def put(self, k: int, image: EncoderImage) -> None:
-        """Image `k` of the batch: resized if need be, its pixels in row `k`."""
-        put_pixels(ready(image), self.rows[k])
+        """Image `k` of the batch: resized if need be, its pixels in row `k` (PIL's `tobytes` holds the GIL
+        about a millisecond for a megapixel: through the gate)."""
+        resized = ready(image)
+        if self._gate is not None:
+            self._gate.wait()
+        put_pixels(resized, self.rows[k])
         with self._lock:
             self._left -= 1
             if not self._left:
@@ -204,6 +218,11 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type == "cpu" and not tensor.requires_grad:
         return tensor
     return tensor.detach().cpu()
+
+
+def timed(stopwatch: Stopwatch | None, kind: Hashable) -> contextlib.AbstractContextManager[object]:
+    """`stopwatch` timing one encoder call of `kind`, or nothing."""
+    return stopwatch.timing(kind) if stopwatch is not None else contextlib.nullcontext()
 
 
 def encode_images(
@@ -225,7 +244,7 @@ def encode_images(
     pixels = iter(feed) if feed is not None else (to_pixels([ready(images[i]) for i in chunk]) for _, chunk in chunks)
     latents: list[torch.Tensor | None] = [None] * len(images)
     for ((width, height), chunk), batch in zip(chunks, pixels):
-        with stopwatch or contextlib.nullcontext():
+        with timed(stopwatch, ("image", len(chunk))):
             out = encoder.encode(batch)
         expected = (len(chunk), height // factor, width // factor)
         if out.ndim != 4 or (out.shape[0], *out.shape[2:]) != expected:
@@ -251,7 +270,7 @@ def encode_prompts(
     results: list[PromptEncoding] = []
     for start in range(0, len(prompts), batch_size):
         chunk = list(prompts[start : start + batch_size])
-        with stopwatch or contextlib.nullcontext():
+        with timed(stopwatch, ("prompts", len(chunk))):
             if isinstance(encoder, PromptEncoder):
                 looks = list(conditions[start : start + batch_size]) or [()] * len(chunk)
                 out = encoder.encode_prompts(chunk, looks)

@@ -23,9 +23,11 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, Generic, TypeVar
+
+from .gil_gate import GilGate
 
 T = TypeVar("T")
 # How much lower the build's helper threads run than the encoders' thread (nice steps; Linux gives each thread its own).
@@ -130,17 +132,30 @@ class WriteBehind:
 
 
 class Stopwatch:
-    """Seconds spent inside `with` blocks of it (one thread at a time)."""
+    """Seconds spent inside encoder calls: `with stopwatch.timing(kind):` blocks (one thread at a time). A `gate`
+    is told when each starts and ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: GilGate | None = None) -> None:
         self.seconds = 0.0
         self.calls = 0
+        self.gate = gate
         self._started = 0.0
+        self._kind: Hashable = None
+
+    def timing(self, kind: Hashable) -> Stopwatch:
+        """This stopwatch, for a call of `kind` (the encoder and its batch length: calls of one kind last alike)."""
+        self._kind = kind
+        return self
 
     def __enter__(self) -> Stopwatch:
         self._started = time.perf_counter()
+        if self.gate is not None:
+            self.gate.call_started(self._started, self._kind)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.seconds += time.perf_counter() - self._started
+        ended = time.perf_counter()
+        if self.gate is not None:
+            self.gate.call_ended(ended, self._kind)
+        self.seconds += ended - self._started
         self.calls += 1

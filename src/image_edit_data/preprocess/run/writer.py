@@ -17,6 +17,7 @@ from ...contract.signature import Signature
 from ...payload.payload import PayloadFormat, save_payload
 from ..encoders.base import Truncation
 from ..sources.base import SourceRecord
+from .gil_gate import GilGate
 
 StoreDtype = Literal["float32", "bfloat16", "float16"]
 STORE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -117,10 +118,18 @@ def assemble(
 
 
 def write_sample(
-    root: Path, sample: EncodedSample, payload_format: PayloadFormat, token_patch_size: int, store_dtype: StoreDtype
+    root: Path,
+    sample: EncodedSample,
+    payload_format: PayloadFormat,
+    token_patch_size: int,
+    store_dtype: StoreDtype,
+    gate: GilGate | None = None,
 ) -> dict[str, Any]:
-    """Write the sample's payload atomically under `root` and return its index record."""
+    """Write the sample's payload atomically under `root` and return its index record. With a `gate`, the save
+    (`torch.save` holds the GIL a millisecond or two copying a payload into its buffer) waits for it to open."""
     payload, record = assemble(sample, payload_format, token_patch_size, store_dtype)
+    if gate is not None:
+        gate.wait()
     save_payload(root / record["cache_file"], payload)
     return record
 
