@@ -30,6 +30,7 @@ from image_edit_data.preprocess.sources.base import BadSampleError
 from image_edit_data.preprocess.sources.manifest import JsonlManifestSource
 
 build_module = importlib.import_module("image_edit_data.preprocess.run.build_cache")  # the package re-exports a name
+encode_module = importlib.import_module("image_edit_data.preprocess.run.encode")
 RESIZE = ResizePolicy("max_pixels", max_pixels=32 * 32, spatial_alignment=16, upscale=True)
 
 
@@ -248,6 +249,27 @@ def test_the_first_window_is_resized_on_the_pixel_threads_and_the_rest_when_read
     build_cache(tmp_path / "c", source, *DEMO_SPECS, BuildOptions(resize=RESIZE, batch_size=1))  # windows of 4
     images = [1 + 1 + (p % 5 == 0) for p in range(12)]  # target, context, and a second context every fifth
     assert threads == {"build-pixels": sum(images[:4]), "build-io": sum(images[4:])}
+
+
+def test_the_encoders_thread_neither_allocates_pixel_batches_nor_makes_their_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mapping 12 MB for a batch's pixels had kept the encoders' thread waiting for the process's memory map."""
+    source = JsonlManifestSource(write_manifest(tmp_path / "raw", rows=12))
+    threads: Counter[tuple[str, str]] = Counter()
+    for name in ("pixel_rows", "pixel_batch"):
+        original = getattr(encode_module, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            threads[_name, threading.current_thread().name.rpartition("_")[0]] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(encode_module, name, counted)
+    build_cache(tmp_path / "c", source, *DEMO_SPECS, BuildOptions(resize=RESIZE, batch_size=2))
+    batches = sum(threads.values()) // 2
+    images = sum(1 + 1 + (p % 5 == 0) for p in range(12))  # target, context, and a second context every fifth
+    assert batches >= -(-images // 2)  # two images to a batch at most
+    assert threads == {("pixel_rows", "build-pixels"): batches, ("pixel_batch", "build-pixels"): batches}
 
 
 class Gate:

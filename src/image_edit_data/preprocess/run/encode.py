@@ -173,7 +173,7 @@ class PixelFeed:
     def _submit_through(self, last: int) -> None:
         while self._next <= min(last, len(self.chunks) - 1):
             size, chunk = self.chunks[self._next]
-            batch = PixelBatch(pixel_rows(len(chunk), size), self._gate)
+            batch = PixelBatch(len(chunk), size, self._gate)
             tasks = [self._feeder.submit(batch.put, k, self._images[i]) for k, i in enumerate(chunk)]
             self._pending[self._next] = batch, tasks
             self._next += 1
@@ -189,14 +189,17 @@ class PixelFeed:
 
 
 class PixelBatch:
-    """One batch's pixels, an image per feeder task; the task that puts the last image makes the batch's tensor, so
-    the encoders' thread makes no torch call for it (each would let go of the GIL and wait to take it back)."""
+    """One batch's pixels, an image per feeder task. The encoders' thread neither allocates them nor makes their
+    tensor: the first task to run allocates the rows (12 MB a megapixel image, mapped anew each time: the encoders'
+    thread waited up to 8 ms for the process's memory map while other threads faulted pages in), the task that puts
+    the last image makes the tensor (a torch call lets go of the GIL and waits to take it back)."""
 
-    def __init__(self, rows: np.ndarray, gate: GilGate | None = None) -> None:
-        self.rows = rows
+    def __init__(self, count: int, size: tuple[int, int], gate: GilGate | None = None) -> None:
+        self.rows: np.ndarray | None = None  # pixel_rows(count, size), once a task has run
         self.tensor: torch.Tensor | None = None
+        self._count, self._size = count, size
         self._gate = gate
-        self._left = len(rows)
+        self._left = count
         self._lock = threading.Lock()
 
     def put(self, k: int, image: EncoderImage) -> None:
@@ -205,11 +208,15 @@ class PixelBatch:
         resized = ready(image)
         if self._gate is not None:
             self._gate.wait()
-        put_pixels(resized, self.rows[k])
+        with self._lock:
+            if self.rows is None:
+                self.rows = pixel_rows(self._count, self._size)
+            rows = self.rows
+        put_pixels(resized, rows[k])
         with self._lock:
             self._left -= 1
             if not self._left:
-                self.tensor = pixel_batch(self.rows)
+                self.tensor = pixel_batch(rows)
 
 
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
