@@ -2,8 +2,9 @@
 
 A few helper steps hold the GIL for about a millisecond in C: PIL's `tobytes` behind `np.asarray` of an image,
 and `torch.save` copying a payload into its buffer. One that starts just before an encoder call returns keeps
-the encoders' thread waiting for the GIL when it wakes, and one that starts between two calls delays the next
-(measured at batch 1 with 20 ms calls on two cores: 0.25 s of 24 s over 1152 calls; `docs/building-caches.md`).
+the encoders' thread waiting for the GIL when it wakes, and one that starts between two calls delays the next.
+Holding them back took a build at batch 1 with 20 ms calls on two cores from 1.045-1.049 times its encoders' time
+to 1.032-1.038 (`docs/building-caches.md`, "Build speed").
 Helpers call `GilGate.wait()` before such a step. It returns at once while the encoders' thread is inside a
 call with time left for the step (a call is expected to last as long as the last one of its kind: the same
 encoder and batch length), or inside any call too short to hide such a step, or when that thread has made no call

@@ -12,7 +12,8 @@ The pool's threads run at a lower CPU priority than the encoders' thread (`lower
 machine whose cores the build's own work keeps busy, the encoders' thread then gets a core the moment
 an encoder call returns, rather than after a reader's time slice. The threads making the pixels the
 encoders take next run between the two (`PIXEL_NICENESS`): they get a core before the readers of later
-windows do.
+windows do. The helper steps that hold the GIL for a millisecond or more wait for a moment the encoders'
+thread can spare it (`gil_gate.py`).
 """
 
 from __future__ import annotations
