@@ -195,7 +195,7 @@ class PixelBatch:
     the last image makes the tensor (a torch call lets go of the GIL and waits to take it back)."""
 
     def __init__(self, count: int, size: tuple[int, int], gate: GilGate | None = None) -> None:
-        self.rows: np.ndarray | None = None  # pixel_rows(count, size), once a task has run
+        self._rows: np.ndarray | None = None  # pixel_rows(count, size), once a task has run
         self.tensor: torch.Tensor | None = None
         self._count, self._size = count, size
         self._gate = gate
@@ -209,9 +209,9 @@ class PixelBatch:
         if self._gate is not None:
             self._gate.wait()
         with self._lock:
-            if self.rows is None:
-                self.rows = pixel_rows(self._count, self._size)
-            rows = self.rows
+            if self._rows is None:
+                self._rows = pixel_rows(self._count, self._size)
+            rows = self._rows
         put_pixels(resized, rows[k])
         with self._lock:
             self._left -= 1
